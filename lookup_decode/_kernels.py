@@ -1,0 +1,155 @@
+"""Numba kernels of the suffix index: an online suffix automaton over int32 token ids.
+
+The automaton (Blumer et al. 1985; the classic online construction) gives, after each appended
+token, the longest suffix of the text that also ends at an earlier position: `link(last)`.
+Each state keeps `first`, the end position of its earliest occurrence, which is O(1) to maintain.
+Transitions live in one open-addressing hash table keyed by (state, token), so the alphabet
+(a model vocabulary of 50k-250k ids) costs nothing per state; each state also threads its
+outgoing edges in a linked list, which the clone step of the construction needs to copy.
+
+Every kernel takes arrays and ints and writes into caller-owned buffers; `index.py` owns the
+buffers and grows them. Nothing else in the package imports numba.
+"""
+
+import numpy as np
+from numba import njit
+
+# meta[] slots: the automaton's scalar state, kept in one int64 array so kernels can update it.
+N_TOKENS, N_STATES, N_EDGES, LAST, MATCH_END, MATCH_LEN = range(6)
+META_SIZE = 6
+_EMPTY = -1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@njit(cache=True, nogil=True)
+def _slot(hkey, key):
+    """Slot of `key` in the linear-probing table `hkey` (int64 [2^b]), or of the empty slot where it would go."""
+    mask = hkey.shape[0] - 1
+    h = np.uint64(key) * _GOLDEN
+    i = np.int64((h >> np.uint64(32)) & np.uint64(mask))
+    while hkey[i] != key and hkey[i] != _EMPTY:
+        i = (i + 1) & mask
+    return i
+
+
+@njit(cache=True, nogil=True)
+def _edge(hkey, hval, state, token):
+    """Edge index of the transition (state, token), or -1."""
+    i = _slot(hkey, (np.int64(state) << 31) | token)
+    if hkey[i] == _EMPTY:
+        return -1
+    return hval[i]
+
+
+@njit(cache=True, nogil=True)
+def _add_edge(etok, eto, enext, shead, hkey, hval, meta, state, token, target):
+    e = meta[N_EDGES]
+    meta[N_EDGES] = e + 1
+    etok[e] = token
+    eto[e] = target
+    enext[e] = shead[state]
+    shead[state] = e
+    key = (np.int64(state) << 31) | token
+    i = _slot(hkey, key)
+    hkey[i] = key
+    hval[i] = e
+
+
+@njit(cache=True, nogil=True)
+def _new_state(slen, slink, sfirst, shead, meta, length, link, first):
+    s = meta[N_STATES]
+    meta[N_STATES] = s + 1
+    slen[s] = length
+    slink[s] = link
+    sfirst[s] = first
+    shead[s] = -1
+    return s
+
+
+@njit(cache=True, nogil=True)
+def init_automaton(slen, slink, sfirst, shead, meta):
+    """Reset meta and create the root state (empty string)."""
+    meta[:] = 0
+    meta[MATCH_END] = -1
+    _new_state(slen, slink, sfirst, shead, meta, 0, -1, -1)
+    meta[LAST] = 0
+
+
+@njit(cache=True, nogil=True)
+def extend(toks, slen, slink, sfirst, shead, etok, eto, enext, hkey, hval, meta, new):
+    """Append `new` (int32 [m]) to the text and update the automaton and the current match.
+
+    Buffers must already hold room for the result: toks >= n + m, states >= 2(n + m) + 1,
+    edges >= 3(n + m), hash slots >= 2 * edges (index.py guarantees it). Amortized O(1) per token.
+
+    Match rule, applied after each token c at position i: if the earlier occurrence being copied
+    (ending at meta[MATCH_END]) continues with c, follow it (the match grows by one and stays
+    aligned with the same source region); otherwise jump to the earliest earlier occurrence of
+    the longest suffix that has one. Either way meta[MATCH_LEN] is the length of the longest
+    suffix of the text that also ends before i (0 when none does).
+    """
+    for t in range(new.shape[0]):
+        c = np.int64(new[t])
+        i = meta[N_TOKENS]
+        toks[i] = c
+        meta[N_TOKENS] = i + 1
+        last = meta[LAST]
+        cur = _new_state(slen, slink, sfirst, shead, meta, slen[last] + 1, -1, i)
+        p = last
+        while p != -1 and _edge(hkey, hval, p, c) == -1:
+            _add_edge(etok, eto, enext, shead, hkey, hval, meta, p, c, cur)
+            p = slink[p]
+        if p == -1:
+            slink[cur] = 0
+        else:
+            q = eto[_edge(hkey, hval, p, c)]
+            if slen[p] + 1 == slen[q]:
+                slink[cur] = q
+            else:
+                clone = _new_state(slen, slink, sfirst, shead, meta, slen[p] + 1, slink[q], sfirst[q])
+                e = shead[q]
+                while e != -1:
+                    _add_edge(etok, eto, enext, shead, hkey, hval, meta, clone, etok[e], eto[e])
+                    e = enext[e]
+                while p != -1:
+                    e = _edge(hkey, hval, p, c)
+                    if e == -1 or eto[e] != q:
+                        break
+                    eto[e] = clone
+                    p = slink[p]
+                slink[q] = clone
+                slink[cur] = clone
+        meta[LAST] = cur
+
+        end = meta[MATCH_END]
+        if meta[MATCH_LEN] > 0 and end + 1 < i and toks[end + 1] == c:
+            meta[MATCH_END] = end + 1
+            meta[MATCH_LEN] += 1
+        else:
+            s = slink[cur]
+            meta[MATCH_LEN] = slen[s]
+            meta[MATCH_END] = sfirst[s] if slen[s] > 0 else -1
+
+
+@njit(cache=True, nogil=True)
+def rehash(shead, etok, enext, n_states, hkey, hval):
+    """Rebuild the (state, token) -> edge table into an empty, larger `hkey`/`hval`."""
+    for s in range(n_states):
+        e = shead[s]
+        while e != -1:
+            key = (np.int64(s) << 31) | np.int64(etok[e])
+            i = _slot(hkey, key)
+            hkey[i] = key
+            hval[i] = e
+            e = enext[e]
+
+
+@njit(cache=True, nogil=True)
+def draft_length(toks, n, start, max_tokens, eos):
+    """Number of tokens of toks[start:n] to draft: at most max_tokens, stopping before any id in eos (int32 [e])."""
+    stop = min(n, start + max_tokens)
+    for j in range(start, stop):
+        for k in range(eos.shape[0]):
+            if toks[j] == eos[k]:
+                return j - start
+    return max(stop - start, 0)

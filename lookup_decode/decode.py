@@ -1,0 +1,165 @@
+"""The lookup decoding loop: prefill, then propose -> verify in one forward -> roll back -> commit.
+
+Follows speculative decoding (Leviathan et al. 2023; Chen et al. 2023) with drafts from string
+matching instead of a draft model (prompt lookup decoding, Saxena 2023). The whole algorithm is
+`lookup_generate`; transformers-specific preparation lives in `hf.py`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lookup_decode.cache import crop
+from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
+from lookup_decode.stats import DecodeStats
+from lookup_decode.stopping import first_stop
+from lookup_decode.verify import accept_greedy, accept_sampled
+
+# Measured forward-cost curves per model, kept for the model's lifetime: calibration costs a few
+# forwards, and the curve keeps learning across calls.
+_COST_CURVES: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Recorded:
+    """Per emitted token, when the caller asked generate() for them."""
+    scores: list = field(default_factory=list)   # processed scores, float [1, V] each
+    logits: list = field(default_factory=list)   # raw logits, float [1, V] each
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Forward:
+    """model(ids, cache) -> float32 logits of the last `n_logits` positions, [n_logits, V]."""
+
+    def __init__(self, model, cache, cache_arg: str, supports_logits_to_keep: bool):
+        self.model, self.cache, self.cache_arg = model, cache, cache_arg
+        self.keep = supports_logits_to_keep
+
+    def __call__(self, ids: torch.Tensor, n_logits: int) -> torch.Tensor:
+        kwargs = {self.cache_arg: self.cache, "use_cache": True}
+        if self.keep:
+            kwargs["logits_to_keep"] = n_logits
+        logits = self.model(input_ids=ids, **kwargs).logits
+        return logits[0, -n_logits:].to(torch.float32)
+
+    def seconds(self, ids: torch.Tensor) -> float:
+        """Time one forward over `ids` [1, n], then drop those n tokens again (cost calibration)."""
+        _sync(ids.device)
+        t = time.perf_counter()
+        self(ids, 1)
+        _sync(ids.device)
+        elapsed = time.perf_counter() - t
+        crop(self.cache, ids.shape[1])
+        return elapsed
+
+
+def _cost_curve(model, forward: _Forward, last: torch.Tensor, k: int) -> CostCurve:
+    key = (str(last.device), str(next(model.parameters()).dtype), k)
+    curves = _COST_CURVES.setdefault(model, {})
+    if key not in curves:
+        curves[key] = measure_cost_curve(lambda n: forward.seconds(last.expand(1, n)), k + 1)
+    return curves[key]
+
+
+def _target_scores(logits_processor, ids: torch.Tensor, cur: int, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the logits processors to each row with exactly the prefix that row would have seen.
+
+    ids: long [1, >= cur + n] holding the sequence then the draft; logits: float [n + 1, V].
+    """
+    if not logits_processor:
+        return logits
+    rows = [logits_processor(ids[:, : cur + i], logits[i: i + 1].clone()) for i in range(logits.shape[0])]
+    return torch.cat(rows)
+
+
+def _select(draft, scores, do_sample, generator):
+    if do_sample:
+        return accept_sampled(draft, torch.softmax(scores, dim=-1), generator)
+    return accept_greedy(draft, scores)
+
+
+@torch.inference_mode()
+def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, proposer, policy: DraftPolicy,
+                    logits_processor, stopping_criteria, max_length: int, do_sample: bool = False,
+                    generator: torch.Generator | None = None, streamer=None, stats: DecodeStats | None = None,
+                    record: Recorded | None = None, adaptive: bool = True) -> torch.Tensor:
+    """Generate after a [1, T] prompt; same tokens as plain decoding (greedy) or same distribution (sampling).
+
+    forward: runs the model on the (empty) cache it owns; proposer: `extend(tokens)`,
+    `propose(max_tokens) -> int32 [d]`, `match_len`; stopping_criteria: transformers-style, checked
+    after every emitted token. Returns long [1, T + new].
+    """
+    stats = stats if stats is not None else DecodeStats()
+    t_start = time.perf_counter()
+    T = input_ids.shape[1]
+    ids = torch.empty((1, max_length), dtype=torch.long, device=input_ids.device)  # prompt + emitted + draft
+    ids[:, :T] = input_ids
+
+    # 1. Prefill: the prompt enters the cache; its last row gives the first token.
+    logits = forward(input_ids, 1)
+    if adaptive and policy.k > 0 and policy.cost is None:
+        policy.cost = _cost_curve(model, forward, input_ids[:, -1:], policy.k)
+    scores = _target_scores(logits_processor, ids, T, logits)
+    emitted = _select(ids[0, :0], scores, do_sample, generator)
+    stats.prefill_s = time.perf_counter() - t_start
+    cur, stopped = T, False
+    proposer.extend(input_ids[0])
+
+    # Invariant: ids[:, :cur] = prompt + committed tokens; the cache holds all of them but the last.
+    while True:
+        # 2. Commit the emitted tokens, stopping exactly where plain decoding would.
+        n_emit = emitted.numel()
+        ids[0, cur: cur + n_emit] = emitted
+        stop_at = first_stop(stopping_criteria, ids, cur, cur + n_emit)
+        if stop_at is not None:
+            n_emit, stopped = stop_at - cur + 1, True
+        if record is not None:
+            record.scores.extend(scores[i: i + 1] for i in range(n_emit))
+            record.logits.extend(logits[i: i + 1] for i in range(n_emit))
+        if streamer is not None:
+            streamer.put(ids[0, cur: cur + n_emit].cpu())
+        t = time.perf_counter()
+        proposer.extend(ids[0, cur: cur + n_emit])
+        cur += n_emit
+        if stopped or cur >= max_length:
+            stats.proposer_s += time.perf_counter() - t
+            break
+
+        # 3. Propose: never more than we may still emit (the step also emits one target token).
+        full = proposer.propose(min(policy.k, max_length - cur - 1))
+        match_len = proposer.match_len
+        n = policy.choose(len(full), match_len)
+        draft = torch.from_numpy(full[:n]).to(device=ids.device, dtype=torch.long)
+        stats.proposer_s += time.perf_counter() - t
+
+        # 4. Verify: one forward over [last token, d_1..d_n] gives n + 1 rows of target scores.
+        t = time.perf_counter()
+        ids[0, cur: cur + n] = draft
+        logits = forward(ids[:, cur - 1: cur + n], n + 1)
+        scores = _target_scores(logits_processor, ids, cur, logits)
+        emitted = _select(draft, scores, do_sample, generator)
+        n_kept = emitted.numel() - 1
+        # 5. Roll back: the cache keeps the last token and the accepted drafts only.
+        crop(forward.cache, n - n_kept)
+        elapsed = time.perf_counter() - t
+        stats.model_s += elapsed
+        stats.observe(n, n_kept)
+
+        t = time.perf_counter()
+        policy.observe(full, emitted.cpu().numpy(), match_len)
+        if policy.cost is not None:
+            policy.cost.observe(n + 1, elapsed)
+        stats.proposer_s += time.perf_counter() - t
+
+    stats.prompt_tokens, stats.new_tokens = T, cur - T
+    stats.total_s = time.perf_counter() - t_start
+    return ids[:, :cur].clone()

@@ -1,0 +1,150 @@
+"""transformers integration: `model.generate(..., custom_generate=lookup_decode.generate)`.
+
+transformers prepares everything (generation config, logits processors, stopping criteria incl.
+stop strings, the cache) and calls the custom_generate callable with the contract of its own
+`_sample`; `generate` below checks what lookup decoding supports, runs `lookup_generate`, and
+returns what `_sample` would (a tensor, or a GenerateDecoderOnlyOutput). Called directly,
+`lookup_decode.generate(model, input_ids, **generate_kwargs)` goes through `model.generate` the
+same way, so both paths share transformers' own preparation. Every transformers-specific line of
+the package is in this module, `cache.py` and `stopping.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from lookup_decode.cache import cache_argument, check_croppable, new_cache
+from lookup_decode.config import LookupConfig
+from lookup_decode.decode import Recorded, _Forward, lookup_generate
+from lookup_decode.index import SuffixIndex
+from lookup_decode.policy import DraftPolicy
+from lookup_decode.stats import DecodeStats
+
+_OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
+
+
+def _eos_ids(generation_config) -> list[int]:
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
+    """Clear errors for what lookup decoding cannot do (yet), before any forward runs."""
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; lookup_decode supports decoder-only models for now")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"lookup_decode generates one sequence at a time for now; got batch size {input_ids.shape[0]}"
+                         " (num_return_sequences > 1 also multiplies the batch)")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: lookup decoding needs at least one input token")
+    for option in ("num_beams", "num_return_sequences"):
+        if (getattr(generation_config, option, 1) or 1) > 1:
+            raise ValueError(f"lookup_decode does not support {option} > 1 (got {getattr(generation_config, option)}); "
+                             "use plain model.generate for beam search or several sequences")
+    if generation_config.prompt_lookup_num_tokens is not None:
+        raise ValueError("pass either custom_generate=lookup_decode.generate or prompt_lookup_num_tokens, not both")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("lookup_decode does not return attentions or hidden states; drop output_attentions/"
+                         "output_hidden_states (scores and logits are supported)")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("attention_mask has padding; lookup_decode does not support padded (batched) input yet")
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
+    if vocab is not None and int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+        raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}): "
+                         f"min {int(input_ids.min())}, max {int(input_ids.max())}")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and input_ids.shape[1] >= context:
+        raise ValueError(f"the prompt has {input_ids.shape[1]} tokens but {name} has a context of {context} tokens")
+
+
+def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                   options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs):
+    _check_request(model, input_ids, generation_config, model_kwargs)
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is None:
+        cache = new_cache(model)
+    check_croppable(cache, model)
+    if cache.get_seq_length() != 0:
+        raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
+    params = inspect.signature(model.forward).parameters
+    forward = _Forward(model, cache, cache_argument(model), "logits_to_keep" in params)
+    if proposer is None:
+        proposer = SuffixIndex(min_match=options.min_match, max_match=options.max_match,
+                               eos_token_ids=_eos_ids(generation_config))
+    record = Recorded() if generation_config.return_dict_in_generate else None
+    sequences = lookup_generate(
+        model, input_ids, forward=forward, proposer=proposer, policy=DraftPolicy(options.k),
+        logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        max_length=generation_config.max_length, do_sample=bool(generation_config.do_sample),
+        generator=generator, streamer=streamer, stats=stats, record=record, adaptive=options.adaptive)
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache
+    if cache.get_seq_length() > crop_to:
+        cache.crop(crop_to - cache.get_seq_length())
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(record.scores) if generation_config.output_scores else None,
+        logits=tuple(record.logits) if generation_config.output_logits else None,
+        cache=cache)
+
+
+def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,
+                    generator: torch.Generator | None = None, streamer=None, **options):
+    """Return a callable for `model.generate(custom_generate=...)` with options bound.
+
+    Useful when options must not travel through generate()'s kwargs, and to pass a streamer:
+    transformers (5.x) does not hand `generate(streamer=...)` to a callable custom_generate.
+    """
+    config = config if config is not None else LookupConfig(**options)
+    bound_streamer = streamer
+
+    def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus=False, streamer=None, **model_kwargs):
+        return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                              streamer if streamer is not None else bound_streamer, config, stats, proposer,
+                              generator, model_kwargs)
+
+    return decoding_loop
+
+
+def generate(model, input_ids=None, logits_processor=None, stopping_criteria=None, generation_config=None,
+             synced_gpus=False, streamer=None, *, k: int | None = None, min_match: int | None = None,
+             max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
+             proposer=None, generator: torch.Generator | None = None, **model_kwargs):
+    """Lookup decoding with transformers' generate() contract.
+
+    As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
+    Directly: `lookup_decode.generate(model, input_ids, max_new_tokens=200, streamer=..., k=16)`;
+    any other keyword goes to `model.generate` as usual.
+
+    Options: k (most draft tokens per step, default 32), min_match (2), max_match (64), adaptive
+    (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
+    place), proposer (any object with extend/propose/match_len; default a SuffixIndex over the
+    prompt and output), generator (torch.Generator for sampling).
+    """
+    given = {name: value for name, value in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if value is not None}
+    options = LookupConfig(**given)
+    if generation_config is None:  # called directly, not by model.generate
+        if input_ids is None:
+            raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
+        if not hasattr(model, "generate"):
+            raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
+        hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer)
+        return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                              streamer=streamer, custom_generate=hook, **model_kwargs)
+    if synced_gpus:
+        raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
+    return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                          options, stats, proposer, generator, model_kwargs)

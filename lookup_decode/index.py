@@ -1,0 +1,150 @@
+"""SuffixIndex: the draft source. Append accepted tokens, ask for the continuation of the current suffix.
+
+The index is an online suffix automaton (see `_kernels.py`): `extend` costs amortized O(1) per
+token and `propose` costs O(draft), whatever the length of the context, so a 1M-token context
+drafts as fast as a 1k one. Only accepted tokens ever enter the index, so it never rolls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from lookup_decode import _kernels as K
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def as_token_array(tokens, what: str = "token ids") -> np.ndarray:
+    """Validate and convert token ids (list, numpy array or 1-D torch tensor) to contiguous int32 [m]."""
+    if hasattr(tokens, "detach"):  # torch.Tensor, without importing torch here
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int32)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _MAX_TOKEN_ID:
+        raise ValueError(f"{what} must lie in [0, 2**31 - 1], got values in [{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class SuffixIndex:
+    """Longest-suffix lookup over a growing sequence of token ids.
+
+    After every appended token the index knows `match_len`, the length of the longest suffix of
+    the text that also ends at an earlier position, and which earlier occurrence to copy from.
+    `propose(k)` returns up to k tokens that followed that occurrence.
+
+    Occurrence rule (stated, and tested against a brute-force reference): the index keeps
+    following the occurrence it was already copying from for as long as that occurrence keeps
+    matching, so a copied span stays aligned with one source region; when it stops matching, the
+    index jumps to the *earliest* earlier occurrence of the longest matching suffix.
+
+    Args:
+        tokens: initial token ids (e.g. the prompt), int [n].
+        min_match: shortest suffix that may back a draft; below it `propose` returns nothing.
+        max_match: a longer match is reported as `max_match` long (its occurrence is also one of
+            the `max_match`-long suffix), which keeps `match_len` a bounded confidence signal.
+        eos_token_ids: ids a draft never contains: drafts stop before the first of them.
+
+    Example:
+        >>> index = SuffixIndex([1, 2, 3, 4, 1, 2, 3], min_match=2)
+        >>> index.propose(3).tolist(), index.match_len
+        ([4, 1, 2], 3)
+    """
+
+    def __init__(self, tokens: Iterable[int] = (), *, min_match: int = 2, max_match: int = 64,
+                 eos_token_ids: Iterable[int] = ()):
+        if int(min_match) < 1:
+            raise ValueError(f"min_match must be >= 1, got {min_match}")
+        if int(max_match) < int(min_match):
+            raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
+        self.min_match = int(min_match)
+        self.max_match = int(max_match)
+        self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
+        self._alloc(1024)
+        self.extend(tokens)
+
+    def _alloc(self, cap_tokens: int) -> None:
+        cap_states = 2 * cap_tokens + 2
+        cap_edges = 3 * cap_tokens + 4
+        cap_hash = 1 << int(np.ceil(np.log2(2 * cap_edges)))
+        self._cap = cap_tokens
+        self._toks = np.zeros(cap_tokens, np.int32)
+        self._slen = np.zeros(cap_states, np.int32)
+        self._slink = np.zeros(cap_states, np.int32)
+        self._sfirst = np.zeros(cap_states, np.int32)
+        self._shead = np.zeros(cap_states, np.int32)
+        self._etok = np.zeros(cap_edges, np.int32)
+        self._eto = np.zeros(cap_edges, np.int32)
+        self._enext = np.zeros(cap_edges, np.int32)
+        self._hkey = np.full(cap_hash, -1, np.int64)
+        self._hval = np.zeros(cap_hash, np.int32)
+        self._meta = np.zeros(K.META_SIZE, np.int64)
+        K.init_automaton(self._slen, self._slink, self._sfirst, self._shead, self._meta)
+
+    def _grow(self, need_tokens: int) -> None:
+        """Double the buffers until `need_tokens` fit; amortized O(1) per token."""
+        cap = self._cap
+        while cap < need_tokens:
+            cap *= 2
+        old = self.__dict__.copy()
+        self._alloc(cap)
+        for name in ("_toks", "_slen", "_slink", "_sfirst", "_shead", "_etok", "_eto", "_enext"):
+            src = old[name]
+            getattr(self, name)[: src.shape[0]] = src
+        self._meta[:] = old["_meta"]
+        K.rehash(self._shead, self._etok, self._enext, int(self._meta[K.N_STATES]), self._hkey, self._hval)
+
+    def extend(self, tokens) -> None:
+        """Append token ids (int [m]; list, numpy or torch) to the indexed text."""
+        new = as_token_array(tokens)
+        if new.size == 0:
+            return
+        if len(self) + new.size > self._cap:
+            self._grow(len(self) + new.size)
+        K.extend(self._toks, self._slen, self._slink, self._sfirst, self._shead, self._etok, self._eto,
+                 self._enext, self._hkey, self._hval, self._meta, new)
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        """Tokens that followed the matched earlier occurrence: int32 [d], 0 <= d <= max_tokens.
+
+        Empty when the current match is shorter than `min_match`. Never contains an EOS id.
+        Overlap is allowed: in a repeated span the draft may end at the newest token.
+        """
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if self._meta[K.MATCH_LEN] < self.min_match or max_tokens == 0:
+            return np.zeros(0, np.int32)
+        start = int(self._meta[K.MATCH_END]) + 1
+        d = K.draft_length(self._toks, len(self), start, int(max_tokens), self.eos)
+        return self._toks[start:start + d].copy()
+
+    @property
+    def match_len(self) -> int:
+        """Length of the current match, capped at max_match (0 when no earlier occurrence)."""
+        return min(int(self._meta[K.MATCH_LEN]), self.max_match)
+
+    @property
+    def match_end(self) -> int:
+        """Position of the last token of the matched earlier occurrence (-1 when none)."""
+        return int(self._meta[K.MATCH_END])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The indexed text, int32 [n] (a read-only view)."""
+        view = self._toks[: len(self)]
+        view.flags.writeable = False
+        return view
+
+    def __len__(self) -> int:
+        return int(self._meta[K.N_TOKENS])
+
+    def nbytes(self) -> int:
+        """Bytes held by the index buffers (capacity, not just the used part)."""
+        return sum(v.nbytes for v in self.__dict__.values() if isinstance(v, np.ndarray))

