@@ -40,15 +40,14 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
         raise ValueError(f"{name} is an encoder-decoder model; lookup_decode supports decoder-only models for now")
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"lookup_decode generates one sequence at a time for now; got batch size {input_ids.shape[0]}"
-                         " (num_return_sequences > 1 also multiplies the batch)")
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: lookup decoding needs at least one input token")
     for option in ("num_beams", "num_return_sequences"):
         if (getattr(generation_config, option, 1) or 1) > 1:
             raise ValueError(f"lookup_decode does not support {option} > 1 (got {getattr(generation_config, option)}); "
                              "use plain model.generate for beam search or several sequences")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"lookup_decode generates one sequence at a time for now; got batch size {input_ids.shape[0]}")
     if generation_config.prompt_lookup_num_tokens is not None:
         raise ValueError("pass either custom_generate=lookup_decode.generate or prompt_lookup_num_tokens, not both")
     if generation_config.output_attentions or generation_config.output_hidden_states:
@@ -57,10 +56,11 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("attention_mask has padding; lookup_decode does not support padded (batched) input yet")
-    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else None
-    if vocab is not None and int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
-        raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}): "
-                         f"min {int(input_ids.min())}, max {int(input_ids.max())}")
+    head = model.get_output_embeddings()
+    vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}): min {low}, max {high}")
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and input_ids.shape[1] >= context:
         raise ValueError(f"the prompt has {input_ids.shape[1]} tokens but {name} has a context of {context} tokens")

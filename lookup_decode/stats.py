@@ -19,6 +19,7 @@ class DecodeStats:
     accepted: int = 0                   # draft tokens kept
     accepted_at: list[int] = field(default_factory=list)  # [k] steps that kept draft position i
     draft_lengths: list[int] = field(default_factory=list)  # [steps] tokens drafted per step
+    accepted_lengths: list[int] = field(default_factory=list)  # [steps] draft tokens kept per step
     prefill_s: float = 0.0              # prompt forward (+ one-time cost calibration)
     model_s: float = 0.0                # verification forwards and acceptance
     proposer_s: float = 0.0             # index extend + propose + draft-length choice
@@ -29,6 +30,7 @@ class DecodeStats:
         self.drafted += drafted
         self.accepted += accepted
         self.draft_lengths.append(drafted)
+        self.accepted_lengths.append(accepted)
         if drafted > len(self.accepted_at):
             self.accepted_at.extend([0] * (drafted - len(self.accepted_at)))
         for i in range(accepted):
@@ -54,13 +56,14 @@ class DecodeStats:
                      "prefill_s", "model_s", "proposer_s", "total_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_lengths.extend(other.draft_lengths)
+        self.accepted_lengths.extend(other.accepted_lengths)
         n = max(len(self.accepted_at), len(other.accepted_at))
         self.accepted_at = [(self.accepted_at[i] if i < len(self.accepted_at) else 0)
                             + (other.accepted_at[i] if i < len(other.accepted_at) else 0) for i in range(n)]
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["draft_lengths"]
+        del d["draft_lengths"], d["accepted_lengths"]
         d.update(mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
                  tokens_per_second=self.tokens_per_second)
         return d

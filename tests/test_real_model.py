@@ -1,0 +1,126 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct) over prompts from ../shared/data."""
+
+import json
+
+import pytest
+import torch
+from transformers import StoppingCriteriaList, StopStringCriteria
+
+import lookup_decode
+from benchmarks import workloads
+from conftest import chat_ids
+from lookup_decode import DecodeStats
+
+pytestmark = pytest.mark.real_model
+
+
+def _short(requests, n, max_chars=1800):
+    picked = [r for r in requests if len(r.messages[-1]["content"]) <= max_chars]
+    return picked[:n]
+
+
+CASES = ([("code_edit", r) for r in _short(workloads.nofuneval_edit(), 3)]
+         + [("editeval", r) for r in _short(workloads.editeval(), 1)]
+         + [("summarization", r) for r in _short(workloads.cnn_dm(), 2, max_chars=3500)])
+
+
+def _ids(tokenizer, request):
+    return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def test_adaptive_default_identical_on_code_edit(real_model):
+    model, tokenizer = real_model
+    ids = _ids(tokenizer, CASES[1][1])
+    ref = model.generate(ids, max_new_tokens=96, do_sample=False)
+    stats = DecodeStats()
+    got = model.generate(ids, max_new_tokens=96, do_sample=False, custom_generate=lookup_decode.generate, stats=stats)
+    assert got.tolist() == ref.tolist()
+    assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("category, request_", CASES, ids=[f"{c}-{r.id}" for c, r in CASES])
+def test_greedy_identical_to_plain_generate(real_model, category, request_):
+    model, tokenizer = real_model
+    ids = _ids(tokenizer, request_)
+    ref = model.generate(ids, max_new_tokens=96, do_sample=False)
+    stats = DecodeStats()
+    # adaptive=False verifies every draft the index offers: the strictest exactness check.
+    got = model.generate(ids, max_new_tokens=96, do_sample=False, custom_generate=lookup_decode.generate, stats=stats,
+                         adaptive=False, k=16)
+    assert got.tolist() == ref.tolist()
+    assert stats.accepted > 0, f"guard: no draft was kept on {category}"
+
+
+def _inside_step_positions(stats):
+    """Indices of new tokens after which the same step emitted more tokens (stopping there cuts a step)."""
+    inside, pos = [], 1                                    # new token 0 comes from the prefill
+    for kept in stats.accepted_lengths:
+        inside.extend(range(pos, pos + kept))              # every emitted token but the step's last
+        pos += kept + 1
+    return inside
+
+
+def test_stop_strings_inside_a_step_stop_exactly(real_model):
+    model, tokenizer = real_model
+    ids = _ids(tokenizer, CASES[0][1])
+    opts = dict(custom_generate=lookup_decode.generate, k=8, adaptive=False)
+    stats = DecodeStats()
+    full = model.generate(ids, max_new_tokens=80, do_sample=False, stats=stats, **opts)
+    new = full[0, ids.shape[1]:].tolist()
+    seen = tokenizer.decode(ids[0])
+    cut_inside = 0
+    for j in _inside_step_positions(stats):
+        piece = tokenizer.decode(new[j: j + 1]).strip()
+        if len(piece) < 3 or piece in seen + tokenizer.decode(new[:j]):
+            continue
+        kw = dict(max_new_tokens=80, do_sample=False, stop_strings=[piece], tokenizer=tokenizer)
+        ref = model.generate(ids, **kw)
+        got = model.generate(ids, **kw, **opts)
+        assert got.tolist() == ref.tolist(), piece
+        cut_inside += ref.shape[1] == ids.shape[1] + j + 1
+        if cut_inside == 3:
+            break
+    assert cut_inside > 0, "guard: some stop string completed in the middle of a multi-token step"
+
+
+def test_aho_corasick_stop_strings_stop_where_transformers_does(real_model):
+    model, tokenizer = real_model
+    ids = _ids(tokenizer, CASES[1][1])
+    full = model.generate(ids, max_new_tokens=60, do_sample=False)
+    text = tokenizer.decode(full[0, ids.shape[1]:])
+    stops = sorted({w for w in text.split() if len(w) >= 3})[:6] + ["\n\n", "zzqx"]
+    ours = StoppingCriteriaList([lookup_decode.StopStrings(tokenizer, stops)])
+    theirs = StoppingCriteriaList([StopStringCriteria(tokenizer, stops)])
+    for end in range(ids.shape[1] + 1, full.shape[1] + 1):
+        prefix = full[:, :end]
+        assert bool(ours(prefix, None)[0]) == bool(theirs(prefix, None)[0]), tokenizer.decode(full[0, end - 3:end])
+
+
+def test_sampling_on_real_model_is_valid_and_keeps_drafts(real_model):
+    model, tokenizer = real_model
+    ids = _ids(tokenizer, CASES[0][1])
+    total = DecodeStats()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        stats = DecodeStats()
+        out = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.5, top_p=0.95,
+                             custom_generate=lookup_decode.generate, stats=stats,
+                             stop_strings=["```\n\n"], tokenizer=tokenizer)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert text.strip() and "\ufffd" not in text
+        assert out.shape[1] - ids.shape[1] <= 64
+        total.merge(stats)
+    assert total.accepted > 0, "guard: drafts were kept at temperature 0.5 on a code edit"
+
+
+def test_cli_generate_json_compare(real_model, monkeypatch, capsys):
+    from lookup_decode import cli
+    monkeypatch.setattr(cli, "load", lambda args: real_model)
+    code = cli.main(["generate", "--prompt", "Repeat exactly: the cat sat on the mat. the cat sat on the mat.",
+                     "--max-new-tokens", "24", "--json", "--compare"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["text"].strip()
+    assert result["compare"]["identical"] is True
+    assert result["stats"]["new_tokens"] <= 24 and result["stats"]["steps"] > 0
