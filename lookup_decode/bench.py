@@ -342,8 +342,29 @@ def chat_ids(tokenizer, messages: list[dict]):
                                          return_dict=True)["input_ids"]
 
 
-def environment(model=None, device: str = "cpu", threads: int | None = None) -> dict:
-    """Versions, hardware and settings to store next to every published number."""
+def command_line() -> str:
+    """The command that is running, re-runnable from the current folder (`python -m pkg.mod ...` or the script)."""
+    import os
+    import shlex
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        head = ["python", "-m", spec.name]
+    else:
+        script = Path(sys.argv[0])
+        try:
+            script = Path(os.path.relpath(script))
+        except ValueError:
+            pass
+        head = [script.name] if script.suffix != ".py" else ["python", str(script)]
+    return shlex.join(head + sys.argv[1:])
+
+
+def environment(model=None, device: str = "cpu", threads: int | None = None, model_path=None) -> dict:
+    """Versions, hardware and settings to store next to every published number.
+
+    model_path: what was loaded (None = the default model; its GGUF file name is recorded).
+    """
     import platform
 
     import numba
@@ -356,10 +377,13 @@ def environment(model=None, device: str = "cpu", threads: int | None = None) -> 
            "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": _cpu_count(),
            "torch_threads": torch.get_num_threads(), "threads_flag": threads, "device": device,
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-           "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+           "command": command_line()}
     if model is not None:
+        if model_path is None:
+            from lookup_decode.models import default_gguf
+            model_path = default_gguf().name
         env["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
-        env["model"] = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        env["model"] = str(model_path)
         env["model_class"] = type(model).__name__
     return env
 
@@ -505,8 +529,9 @@ def run(args) -> int:
     ranking = search_settings(prompt_lists, [m["plain"].tokens for m in measured], cost, eos)
     best = ranking[0]
     default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == (32, 2, True))
-    result = {"requests": len(requests), "environment": environment(model, args.device, args.threads),
-              "max_new_tokens": args.max_new_tokens, "default": {"setting": default.lookup, **summary},
+    result = {"requests": len(requests), "environment": environment(model, args.device, args.threads, args.model),
+              "max_new_tokens": args.max_new_tokens,
+              "default": {"setting": default.lookup, **summary},
               "forward_cost": {"sizes": sizes, "seconds": seconds}, "search": ranking[:8],
               "recommended": {"k": best["k"], "min_match": best["min_match"], "adaptive": best["adaptive"]}}
     is_default = (best["k"], best["min_match"], best["adaptive"]) == (32, 2, True)
