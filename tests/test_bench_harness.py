@@ -1,0 +1,399 @@
+"""Benchmark harness logic: interleaving, ratios and spreads, loop score, replay accounting, the
+baseline proposers' rules, and `lookup-decode bench` input errors. No model and no wall-clock thresholds."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the repo, not installed
+
+from benchmarks import report  # noqa: E402
+from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup, VllmNgram  # noqa: E402
+from lookup_decode import bench  # noqa: E402
+from lookup_decode.index import SuffixIndex  # noqa: E402
+from lookup_decode.policy import CostCurve  # noqa: E402
+from lookup_decode.stats import DecodeStats  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------ interleaving
+
+def test_interleaved_order_rotates_each_repeat():
+    assert bench.interleaved_order(["a", "b", "c"], 2) == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a")]
+    assert bench.interleaved_order(["a", "b", "c"], 1, offset=2) == [(0, "c"), (0, "a"), (0, "b")]
+
+
+@pytest.mark.parametrize("n_variants,repeats,offset", [(1, 3, 0), (2, 4, 1), (4, 4, 0), (4, 8, 3)])
+def test_interleaved_order_runs_every_variant_once_per_repeat(n_variants, repeats, offset):
+    names = [f"v{i}" for i in range(n_variants)]
+    order = bench.interleaved_order(names, repeats, offset)
+    assert len(order) == n_variants * repeats
+    for r in range(repeats):
+        assert sorted(v for rr, v in order if rr == r) == names
+    firsts = [order[r * n_variants][1] for r in range(repeats)]
+    if repeats % n_variants == 0:   # over whole rotations every variant goes first equally often
+        assert all(firsts.count(v) == repeats // n_variants for v in names)
+
+
+class FakeModel:
+    """Records generate() calls; appends fixed new tokens (the 'lookup' variant returns other tokens)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, input_ids, **kwargs):
+        name = "lookup" if "custom_generate" in kwargs else ("pld" if "prompt_lookup_num_tokens" in kwargs else "plain")
+        self.calls.append((int(input_ids[0, 0]), name))
+        if "stats" in kwargs:
+            kwargs["stats"].observe(2, 1)
+        new = torch.tensor([[7, 8, 9]]) if name != "lookup" else torch.tensor([[7, 8, 0]])
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_measure_follows_interleaved_order_and_records_tokens():
+    model = FakeModel()
+    prompts = [torch.tensor([[10, 1]]), torch.tensor([[11, 1]])]
+    variants = [bench.PLAIN, bench.PROMPT_LOOKUP, bench.Variant("lookup", lookup={"k": 4})]
+    measured = bench._measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
+    assert model.calls == [(10, "plain"), (10, "pld"), (10, "lookup"), (10, "pld"), (10, "lookup"), (10, "plain"),
+                           (11, "pld"), (11, "lookup"), (11, "plain"), (11, "lookup"), (11, "plain"), (11, "pld")]
+    assert measured[0]["plain"].tokens == [7, 8, 9]
+    assert measured[0]["lookup"].tokens == [7, 8, 0]
+    assert measured[0]["lookup"].stats.steps == 1
+    summary = bench._compare(measured, "lookup")
+    assert summary["identical"] == 0 and summary["n"] == 2
+
+
+# ------------------------------------------------------------------------------ ratios and spread
+
+def test_spread_quartiles_and_range():
+    s = bench.spread([4, 1, 3, 2])
+    assert s == {"n": 4, "median": 2.5, "q1": 1.75, "q3": 3.25, "min": 1.0, "max": 4.0}
+    assert bench.spread([]) == {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None}
+
+
+def test_speedup_is_a_ratio_of_tokens_per_second():
+    assert bench.speedup((100, 10.0), (100, 5.0)) == pytest.approx(2.0)
+    assert bench.speedup((100, 10.0), (50, 2.0)) == pytest.approx(2.5)     # different output lengths
+
+
+def test_throughput_ratio_weighs_long_prompts_unlike_the_median():
+    base = [(100, 10.0), (10, 10.0)]
+    other = [(100, 5.0), (10, 10.0)]
+    per_prompt = [bench.speedup(b, o) for b, o in zip(base, other)]
+    assert bench.spread(per_prompt)["median"] == pytest.approx(1.5)
+    assert bench.throughput_ratio(base, other) == pytest.approx((110 / 15) / (110 / 20))
+
+
+def test_first_mismatch():
+    assert bench.first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_accepted_histogram_from_accepted_at():
+    stats = DecodeStats()
+    for drafted, accepted in [(3, 3), (3, 0), (2, 1), (0, 0)]:
+        stats.observe(drafted, accepted)
+    assert stats.accepted_at == [2, 1, 1]
+    assert bench.accepted_histogram(stats) == [2, 1, 0, 1]   # steps that kept exactly 0, 1, 2, 3 drafts
+    assert bench.accepted_histogram(DecodeStats()) == [0]
+
+
+# -------------------------------------------------------------------------------------- loop score
+
+def test_loop_score_worked_examples():
+    assert bench.loop_score([]) == 0.0
+    assert bench.loop_score(list(range(50))) == 0.0
+    assert bench.loop_score([1, 2, 3] * 3, n=3) == pytest.approx(6 / 9)
+    assert bench.loop_score([1, 2, 3, 4] * 4) == pytest.approx(12 / 16)   # 8-grams from position 4 on repeat
+    block = list(range(100, 110))
+    assert bench.loop_score(block + block) == pytest.approx(10 / 20)       # one copied 10-token block
+    assert bench.loop_score([5] * 7) == 0.0                                 # shorter than one 8-gram
+
+
+# ------------------------------------------------------------------------------------------ replay
+
+PROMPT = [1, 2, 3, 4, 1, 2, 3]
+OUTPUT = [4, 1, 2, 7, 1, 2, 3, 4]
+
+
+# Worked by hand, cap 3. lookup_decode (min_match 2): [4,1,2] all kept + bonus 7; "7" and "7,1" have no
+# match of 2 tokens (no draft); after "1,2" the earliest occurrence drafts [3] (capped: 1 token left
+# before the last) -> kept + bonus 4. transformers PLD falls back to 1-grams: after "7,1" the first
+# "1" (position 0) drafts [2,3] -> kept + bonus 4. vLLM (2..5) behaves as ours here. The oracle copies
+# [4,1,2] then [1,2,3] (both occur in the context).
+@pytest.mark.parametrize("make,draft_lengths,accepted_at", [
+    (lambda: SuffixIndex(PROMPT, min_match=2), [3, 0, 0, 1], [2, 1, 1]),
+    (lambda: TransformersPromptLookup(PROMPT, num_output_tokens=3), [3, 0, 2], [2, 2, 1]),
+    (lambda: VllmNgram(PROMPT, k=3, min_n=2, max_n=5), [3, 0, 0, 1], [2, 1, 1]),
+    (lambda: ContextCopyOracle(PROMPT, OUTPUT), [3, 3], [2, 2, 2]),
+])
+def test_replay_hand_worked(make, draft_lengths, accepted_at):
+    stats = bench.replay(make(), OUTPUT, cap=3)
+    assert stats.draft_lengths == draft_lengths
+    assert stats.accepted_at == accepted_at
+    assert stats.steps == len(draft_lengths)
+    assert stats.new_tokens == len(OUTPUT)
+    assert stats.steps + stats.accepted == len(OUTPUT)          # every step emits accepted + 1
+    assert stats.mean_accepted_length == pytest.approx(len(OUTPUT) / len(draft_lengths))
+
+
+def test_replay_feeds_exactly_the_true_tokens():
+    index = SuffixIndex(PROMPT, min_match=2)
+    bench.replay(index, OUTPUT, cap=3)
+    assert index.tokens.tolist() == PROMPT + OUTPUT
+
+
+class Scripted:
+    """Drafts from a fixed list, one per step; records the max_tokens it was offered and what it was fed."""
+
+    def __init__(self, drafts):
+        self.drafts, self.offered, self.fed, self.match_len = list(drafts), [], [], 4
+
+    def propose(self, max_tokens):
+        self.offered.append(max_tokens)
+        return np.asarray(self.drafts.pop(0)[:max_tokens], dtype=np.int32)
+
+    def extend(self, tokens):
+        self.fed.append(list(np.asarray(tokens).tolist()))
+
+
+def test_replay_accounting_with_scripted_drafts():
+    output = [5, 6, 7, 8, 9, 10]
+    p = Scripted([[5, 6, 0], [], [9, 10, 11]])
+    stats = bench.replay(p, output, cap=4)
+    # step 1: [5,6] kept, 0 rejected -> emits 5,6,7; step 2: no draft -> emits 8;
+    # step 3: offered 6-4-1 = 1 token -> [9] kept + bonus 10
+    assert p.offered == [4, 2, 1]
+    assert p.fed == [[5, 6, 7], [8], [9, 10]]
+    assert stats.draft_lengths == [3, 0, 1]
+    assert (stats.drafted, stats.accepted, stats.accepted_at) == (4, 3, [2, 1, 0])
+
+
+def test_replay_with_policy_verifies_what_the_policy_chooses():
+    from lookup_decode.policy import DraftPolicy
+
+    class Fixed(DraftPolicy):
+        def choose(self, available, match_len):
+            return min(1, available)
+
+    index = SuffixIndex(PROMPT, min_match=2)
+    stats = bench.replay(index, OUTPUT, cap=3, policy=Fixed(3))
+    assert max(stats.draft_lengths) == 1
+    assert index.tokens.tolist() == PROMPT + OUTPUT
+
+
+def test_estimated_speedup_prices_each_step_as_one_forward():
+    stats = DecodeStats(new_tokens=8)
+    for d, a in [(3, 3), (0, 0), (0, 0), (1, 1)]:
+        stats.observe(d, a)
+    cost = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
+    assert bench.estimated_seconds(stats, cost) == pytest.approx(1.3 + 1 + 1 + 1.1)
+    assert bench.estimated_speedup(stats, cost) == pytest.approx(8 / 4.4)
+
+
+def test_search_settings_ranks_every_setting():
+    rng = np.random.default_rng(0)
+    block = rng.integers(10, 500, size=40).tolist()
+    prompts, outputs = [block + [1, 2]], [block[:30]]
+    cost = CostCurve([1, 65], [1.0, 2.0], 65)
+    rows = bench.search_settings(prompts, outputs, cost, eos_token_ids=[0], ks=(4, 16), min_matches=(1, 2))
+    assert len(rows) == 2 * 2 * 2
+    speeds = [r["estimated_speedup"] for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
+    assert rows[0]["mean_accepted_length"] > 1.0
+
+
+# ------------------------------------------------------------------------------ baseline proposers
+
+@pytest.mark.parametrize("tokens,kwargs,expected", [
+    ([2, 3, 8, 1, 2, 3, 9, 1, 2, 3], {}, [8, 1, 2, 3, 9, 1, 2, 3]),   # first (left-most) 2-gram, not the longest match
+    ([4, 7, 5, 6, 7], {}, [5, 6, 7]),                                 # no 2-gram match: falls back to 1-gram
+    ([1, 2, 3, 1, 2], {"num_output_tokens": 2}, [3, 1]),              # num_output_tokens caps the draft
+    ([1, 2, 0, 5, 1, 2], {"eos_token_ids": [0]}, []),                 # EOS first: empty, no further search
+    ([1, 2, 3, 0, 1, 2], {"eos_token_ids": [0]}, [3]),                # cut before EOS
+    ([5, 6, 7], {}, []),                                              # nothing repeats
+    ([9], {}, []),
+])
+def test_transformers_prompt_lookup_examples(tokens, kwargs, expected):
+    assert TransformersPromptLookup(tokens, **kwargs).propose(100).tolist() == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_transformers_prompt_lookup_matches_transformers(seed):
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist()
+        ngram, out = int(rng.integers(1, 4)), int(rng.integers(1, 8))
+        ref = PromptLookupCandidateGenerator(eos_token_id=torch.tensor([0]), num_output_tokens=out,
+                                             max_matching_ngram_size=ngram, max_length=1000)
+        ids = torch.tensor([tokens])
+        want = ref.get_candidates(ids)[0][0, len(tokens):].tolist()
+        got = TransformersPromptLookup(tokens, num_output_tokens=out, max_matching_ngram_size=ngram,
+                                       eos_token_ids=[0]).propose(100).tolist()
+        assert got == want, (tokens, ngram, out)
+
+
+@pytest.mark.parametrize("tokens,k,min_n,max_n,expected", [
+    ([1, 2, 3, 4, 2, 3], 4, 2, 3, [4, 2, 3]),          # draft ends at the end of the context
+    ([1, 2, 3, 4, 1, 2, 3], 2, 2, 2, [4, 1]),
+    ([2, 3, 8, 1, 2, 3, 9, 1, 2, 3], 10, 2, 5, [9, 1, 2, 3]),   # longest match wins over the first 2-gram
+    ([2, 3, 8, 1, 2, 3, 9, 1, 2, 3], 10, 2, 2, [8, 1, 2, 3, 9, 1, 2, 3]),  # capped at max_n: earliest 2-gram
+    ([5, 1, 2, 6, 1, 2, 7, 1, 2], 1, 2, 5, [6]),       # several matches of equal length: the earliest
+    ([1, 1, 1], 10, 2, 5, [1]),                        # the occurrence may overlap the suffix
+    ([4, 7, 5, 6, 7], 10, 2, 5, []),                   # below min_n
+])
+def test_vllm_ngram_examples(tokens, k, min_n, max_n, expected):
+    assert VllmNgram(tokens, k=k, min_n=min_n, max_n=max_n).propose(100).tolist() == expected
+
+
+def vllm_rule_brute_force(t, k, min_n, max_n):
+    L = len(t)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        for s in range(0, L - n):                      # occurrence t[s:s+n] ends at s+n-1 <= L-2
+            if t[s:s + n] == t[L - n:]:
+                return t[s + n: s + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vllm_ngram_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        t = rng.integers(0, 3, size=int(rng.integers(1, 30))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        k = int(rng.integers(1, 6))
+        assert VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100).tolist() == \
+            vllm_rule_brute_force(t, k, min_n, max_n), (t, k, min_n, max_n)
+
+
+def test_context_copy_oracle_matches_brute_force():
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        t = rng.integers(0, 3, size=int(rng.integers(1, 20))).tolist()
+        future = rng.integers(0, 3, size=int(rng.integers(1, 8))).tolist()
+        best = max((m for m in range(len(future) + 1)
+                    if any(t[j:j + m] == future[:m] for j in range(len(t) - m + 1))), default=0)
+        assert ContextCopyOracle(t, future).propose(100).tolist() == future[:best]
+
+
+def test_baselines_extend_past_their_initial_buffer():
+    p = VllmNgram([1, 2], k=3, min_n=2, max_n=2)
+    p.extend(list(range(3, 3000)))
+    p.extend([1, 2])
+    assert p.propose(3).tolist() == [3, 4, 5]
+
+
+# ------------------------------------------------------------------------------------ bench inputs
+
+def write(tmp_path, name, text, mode="w"):
+    path = tmp_path / name
+    if mode == "wb":
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_read_requests_jsonl_and_folder(tmp_path):
+    path = write(tmp_path, "reqs.jsonl", '{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n')
+    reqs = bench.read_requests(path)
+    assert [r.id for r in reqs] == ["reqs.jsonl:1", "reqs.jsonl:3"]
+    assert reqs[0].messages == [{"role": "user", "content": "hi"}]
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    write(folder, "b.txt", "second")
+    write(folder, "a.txt", "first")
+    write(folder, "notes.md", "ignored")
+    assert [(r.id, r.messages[0]["content"]) for r in bench.read_requests(folder)] == [("a.txt", "first"),
+                                                                                       ("b.txt", "second")]
+
+
+@pytest.mark.parametrize("content,line,words", [
+    ('{"prompt": "ok"}\n{"prompt": "no closing quote}\n', 2, "not valid JSON"),
+    ('{"text": "wrong field"}\n', 1, "missing field"),
+    ('["a", "list"]\n', 1, "JSON object"),
+    ('{"prompt": ""}\n', 1, "non-empty"),
+    ('{"prompt": "ok"}\n{"messages": []}\n', 2, "messages"),
+    ('{"messages": [{"role": "user"}]}\n', 1, "messages[0]"),
+])
+def test_read_requests_names_file_and_line(tmp_path, content, line, words):
+    path = write(tmp_path, "bad.jsonl", content)
+    with pytest.raises(SystemExit) as err:
+        bench.read_requests(path)
+    message = str(err.value)
+    assert f"{path}:{line}:" in message and words in message
+
+
+@pytest.mark.parametrize("setup,words", [
+    (lambda d: write(d, "empty.jsonl", ""), "empty"),
+    (lambda d: write(d, "blank.jsonl", "\n  \n"), "empty"),
+    (lambda d: d / "missing.jsonl", "no such file"),
+    (lambda d: write(d, "latin1.jsonl", b'{"prompt": "caf\xe9"}\n', "wb"), "cannot read"),
+])
+def test_read_requests_bad_files(tmp_path, setup, words):
+    path = setup(tmp_path)
+    with pytest.raises(SystemExit) as err:
+        bench.read_requests(path)
+    assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_read_requests_bad_folders(tmp_path):
+    with pytest.raises(SystemExit, match="no .txt files"):
+        bench.read_requests(tmp_path)
+    empty = write(tmp_path, "empty.txt", "  \n")
+    with pytest.raises(SystemExit) as err:
+        bench.read_requests(tmp_path)
+    assert str(empty) in str(err.value)
+
+
+def test_bench_command_rejects_bad_input_before_loading_a_model(tmp_path):
+    from lookup_decode.cli import main
+    path = write(tmp_path, "bad.jsonl", "{oops\n")
+    with pytest.raises(SystemExit) as err:
+        main(["bench", "--prompts", str(path)])
+    assert f"{path}:1:" in str(err.value)
+
+
+# ----------------------------------------------------------------------------------- aggregation
+
+def record(category, loop, plain_s, pld_s, lookup_s, identical=True, tokens=100):
+    seconds = {"plain": plain_s, "prompt_lookup": pld_s, "lookup_decode": lookup_s}
+    variants = {n: {"seconds": s, "new_tokens": tokens, "tokens_per_second": tokens / s, "identical": True}
+                for n, s in seconds.items()}
+    variants["lookup_decode"]["identical"] = identical
+    variants["lookup_decode"]["stats"] = {"steps": 50, "drafted": 100, "accepted": 50, "new_tokens": tokens,
+                                          "total_s": lookup_s, "proposer_s": 0.01 * lookup_s,
+                                          "model_s": 0.9 * lookup_s, "prefill_s": 0.05 * lookup_s}
+    return {"category": category, "loop_score": loop, "variants": variants,
+            "speedup_vs_plain": {n: plain_s / s for n, s in seconds.items() if n != "plain"},
+            "speedup_vs_prompt_lookup": {n: pld_s / s for n, s in seconds.items() if n != "prompt_lookup"}}
+
+
+def test_aggregate_per_category_with_and_without_loops():
+    records = [record("code", 0.1, 10, 5, 4), record("code", 0.9, 10, 2, 1, identical=False),
+               record("chat", 0.0, 10, 10, 8), record("chat", 0.2, 10, 8, 10)]
+    names = ["plain", "prompt_lookup", "lookup_decode"]
+    agg = report.aggregate(records, names, loop_threshold=0.5)
+    full, clean = agg["all_prompts"], agg["without_loops"]
+    assert full["code"]["n"] == 2 and clean["code"]["n"] == 1 and clean["all"]["n"] == 3
+    assert full["code"]["lookup_decode"]["speedup_vs_plain"]["median"] == pytest.approx((2.5 + 10) / 2)
+    assert clean["code"]["lookup_decode"]["speedup_vs_plain"]["median"] == pytest.approx(2.5)
+    assert full["code"]["lookup_decode"]["identical"] == 1 and clean["code"]["lookup_decode"]["identical"] == 1
+    assert full["chat"]["lookup_decode"]["speedup_vs_prompt_lookup"]["min"] == pytest.approx(0.8)
+    assert full["chat"]["lookup_decode"]["throughput_ratio_vs_plain"] == pytest.approx(20 / 18)
+    assert full["all"]["lookup_decode"]["mean_accepted_length"] == pytest.approx(2.0)
+    assert full["all"]["lookup_decode"]["acceptance_rate"] == pytest.approx(0.5)
+    assert "speedup_vs_plain" not in full["all"]["plain"]
+    text = report.markdown({"environment": {"command": "x", "device": "cpu", "cpu": "c", "torch_threads": 2,
+                                            "torch": "t", "transformers": "t", "numba": "n"},
+                            "settings": {"variants": names, "max_new_tokens": 8, "repeats": 1, "loop_threshold": 0.5,
+                                         "variant_descriptions": names},
+                            "aggregate": agg})
+    assert "| code | 1 |" in text and "without loop-dominated prompts" in text
