@@ -116,8 +116,9 @@ def markdown(result: dict) -> str:
     get = {(r["set"], r["proposer"], r["cap"]): r for r in rows}
     lines = ["# Offline replay of drafting proposers", "",
              f"Command: `{result['environment']['command']}`  ",
-             f"Tokenizer: {result['tokenizer']}; pairs per set: {result['pairs']}; "
-             "mean accepted length includes the bonus token.", ""]
+             f"Tokenizer: {result['tokenizer']}; pairs per set: {result['pairs']}.  ",
+             "Mean accepted length includes the bonus token. Row `all` pools every step of every set, so the "
+             "largest sets (code_edit) weigh most. µs per step depend on the machine's load; acceptance does not.", ""]
     metrics = [("mean accepted length (tokens per step)", "mean_accepted_length", "{:.2f}"),
                ("drafted tokens per emitted token", "drafted_per_emitted", "{:.2f}"),
                ("proposer µs per step (propose + extend)", "us_per_step", "{:.1f}")]

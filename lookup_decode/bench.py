@@ -269,10 +269,12 @@ def replay(proposer, output, cap: int, policy=None) -> DecodeStats:
         if policy is not None:
             match_len = proposer.match_len
             d = policy.choose(len(full), match_len)
+        stats.proposer_s += time.perf_counter() - t
         draft = full[:d]
-        same = draft == output[pos:pos + d]
+        same = draft == output[pos:pos + d]    # the "verifier": longest prefix equal to the truth
         accepted = d if same.all() else int(np.argmin(same))
         emitted = output[pos:pos + accepted + 1]
+        t = time.perf_counter()
         if policy is not None:
             policy.observe(full, emitted, match_len)
         proposer.extend(emitted)
@@ -561,7 +563,7 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
     print(f"{result['requests']} requests, up to {result['max_new_tokens']} new tokens "
           f"({result['environment']['torch_threads']} threads, {result['environment']['device']})")
     print(f"  lookup_decode (k=32, min_match=2, adaptive): speed-up {_fmt_spread(d['speedup'])}, "
-          f"x{d['throughput_ratio']:.2f} on total time; mean accepted length {d['mean_accepted_length']:.2f}; "
+          f"x{d['throughput_ratio']:.2f} total throughput; mean accepted length {d['mean_accepted_length']:.2f}; "
           f"identical outputs {d['identical']}/{d['n']}")
     if d["loop_dominated"]:
         print(f"  {d['loop_dominated']} output(s) are dominated by a repetition loop (easy to draft); "
@@ -571,8 +573,8 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
     if is_default:
         print(f"Recommended: keep the defaults (replay estimate x{best['estimated_speedup']:.2f})")
         return
-    line = (f"Recommended: {use} (replay estimate x{best['estimated_speedup']:.2f} vs "
-            f"x{default_row['estimated_speedup']:.2f} for the defaults")
+    line = (f"Recommended: {use} (replay of your outputs priced with this machine's forward cost: "
+            f"x{best['estimated_speedup']:.2f} vs x{default_row['estimated_speedup']:.2f} for the defaults")
     if "confirmed" in result:
         c = result["confirmed"]
         line += f"; measured end to end: {_fmt_spread(c['speedup'])}, identical {c['identical']}/{c['n']}"

@@ -1,6 +1,7 @@
 """Benchmark harness logic: interleaving, ratios and spreads, loop score, replay accounting, the
 baseline proposers' rules, and `lookup-decode bench` input errors. No model and no wall-clock thresholds."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def test_measure_follows_interleaved_order_and_records_tokens():
     assert measured[0]["lookup"].stats.steps == 1
     summary = bench._compare(measured, "lookup")
     assert summary["identical"] == 0 and summary["n"] == 2
+    json.dumps(summary)  # the --json output must serialize
 
 
 # ------------------------------------------------------------------------------ ratios and spread
