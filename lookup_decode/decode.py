@@ -81,9 +81,9 @@ def _target_scores(logits_processor, ids: torch.Tensor, cur: int, logits: torch.
     return torch.cat(rows)
 
 
-def _select(draft, scores, do_sample, generator):
-    if do_sample:
-        return accept_sampled(draft, torch.softmax(scores, dim=-1), generator)
+def _select(draft, scores, uniforms):
+    if uniforms is not None:
+        return accept_sampled(draft, torch.softmax(scores, dim=-1), uniforms[: draft.numel() + 1])
     return accept_greedy(draft, scores)
 
 
@@ -103,13 +103,18 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
     T = input_ids.shape[1]
     ids = torch.empty((1, max_length), dtype=torch.long, device=input_ids.device)  # prompt + emitted + draft
     ids[:, :T] = input_ids
+    # Sampling: one float64 uniform per output position, drawn up front (see verify.accept_sampled).
+    uniforms = None
+    if do_sample:
+        where = generator.device if generator is not None else ids.device
+        uniforms = torch.rand(max_length - T, generator=generator, dtype=torch.float64, device=where).to(ids.device)
 
     # 1. Prefill: the prompt enters the cache; its last row gives the first token.
     logits = forward(input_ids, 1)
     if adaptive and policy.k > 0 and policy.cost is None:
         policy.cost = _cost_curve(model, forward, input_ids[:, -1:], policy.k)
     scores = _target_scores(logits_processor, ids, T, logits)
-    emitted = _select(ids[0, :0], scores, do_sample, generator)
+    emitted = _select(ids[0, :0], scores, uniforms)
     stats.prefill_s = time.perf_counter() - t_start
     cur, stopped = T, False
     proposer.extend(input_ids[0])
@@ -146,7 +151,7 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         ids[0, cur: cur + n] = draft
         logits = forward(ids[:, cur - 1: cur + n], n + 1)
         scores = _target_scores(logits_processor, ids, cur, logits)
-        emitted = _select(draft, scores, do_sample, generator)
+        emitted = _select(draft, scores, None if uniforms is None else uniforms[cur - T:])
         n_kept = emitted.numel() - 1
         # 5. Roll back: the cache keeps the last token and the accepted drafts only.
         crop(forward.cache, n - n_kept)

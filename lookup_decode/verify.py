@@ -23,39 +23,53 @@ def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return target[: n_kept + 1]
 
 
-def accept_sampled(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None = None,
-                   draft_probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Lossless speculative sampling. draft: long [n]; probs: p_target float [n + 1, V] (rows sum to 1).
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of probs float [r, V], driven by uniforms u float64 [r] in [0, 1).
 
-    Point-mass draft (draft_probs None, what the suffix index proposes): keep d_i with
-    probability p_target[i, d_i]; at the first rejection draw from p_target[i] with d_i removed
-    (renormalized); after a fully kept draft draw the bonus token from row n.
-    Draft with a distribution (draft_probs = q [n, V]): keep d_i with probability
-    min(1, p(d_i) / q(d_i)); on rejection draw from normalize(max(0, p - q)) (Leviathan et al. 2023,
-    Chen et al. 2023). The point-mass rule is the special case q = onehot(d_i).
-    Uniforms are float64: a float32 draw of exactly 0 would keep a token of probability 0.
+    A token of probability 0 has an empty interval, so it is never drawn.
+    """
+    cdf = probs.to(torch.float64).cumsum(-1)                         # [r, V]
+    x = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return x.clamp_max(probs.shape[-1] - 1)
+
+
+def accept_sampled(draft: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Lossless sampling for a point-mass draft. draft: long [n]; probs: p_target [n + 1, V];
+    u: float64 [n + 1], the uniforms of these n + 1 output positions.
+
+    Each row samples its target token x_i from p_target[i]; drafts are kept while x_i == d_i and the
+    first x_i that differs (recovered) or x_n (bonus) ends the step. This is the point-mass case of
+    speculative sampling: d_i is kept with probability p(d_i), and after a rejection x_i follows p
+    with d_i removed and renormalized. Because x_i depends only on (p_target[i], u[i]), a fixed
+    stream of per-position uniforms gives the same tokens whatever the draft lengths were, so a
+    seed reproduces the output even though draft lengths follow measured timings.
+    Uniforms are float64: a float32 draw has visible steps and can be exactly 0.
+    """
+    n = draft.numel()
+    x = sample_rows(probs, u)
+    n_kept = int((x[:n] == draft).to(torch.int64).cumprod(0).sum())
+    return x[: n_kept + 1]
+
+
+def accept_with_draft_probs(draft: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
+                            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Speculative sampling for drafts drawn from a distribution (e.g. a draft model).
+
+    draft: long [n], d_i ~ q_i; probs: p_target [n + 1, V]; draft_probs: q [n, V]. Keeps d_i with
+    probability min(1, p(d_i) / q(d_i)); at the first rejection draws from normalize(max(0, p - q));
+    after a fully kept draft draws the bonus token from p_target[n] (Leviathan et al. 2023,
+    Chen et al. 2023). Uniforms are float64.
     """
     n = draft.numel()
     rows = torch.arange(n, device=probs.device)
-    p_draft = probs[rows, draft].to(torch.float64)                       # [n]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs[rows, draft].to(torch.float64)
+    p_draft = probs[rows, draft].to(torch.float64)
+    q_draft = draft_probs[rows, draft].to(torch.float64)
     u = torch.rand(n, generator=generator, device=probs.device, dtype=torch.float64)
-    keep = (u * q_draft < p_draft).to(torch.int64).cumprod(0)            # u < p/q without dividing by 0
-    n_kept = int(keep.sum())
+    n_kept = int((u * q_draft < p_draft).to(torch.int64).cumprod(0).sum())   # u < p/q, no division by 0
     row = probs[n_kept].to(torch.float64)
     if n_kept < n:
-        if draft_probs is None:
-            row = row.clone()
-            row[draft[n_kept]] = 0.0
-        else:
-            row = (row - draft_probs[n_kept].to(torch.float64)).clamp_min(0.0)
-        total = row.sum()
-        if total <= 0:  # p == q on this row: rejection has probability 0, only reachable by rounding
-            row = probs[n_kept].to(torch.float64)
-            total = row.sum()
-        row = row / total
-    last = torch.multinomial(row, 1, generator=generator)
+        residual = (row - draft_probs[n_kept].to(torch.float64)).clamp_min(0.0)
+        # p <= q everywhere on this row means rejection had probability 0: only rounding gets here.
+        row = residual if residual.sum() > 0 else row
+    last = torch.multinomial(row / row.sum(), 1, generator=generator)
     return torch.cat([draft[:n_kept], last.to(draft.dtype)])

@@ -7,6 +7,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 VOCAB = 96
 
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """One torch thread for tiny models (threading overhead dwarfs their work and another process on
+    the other core makes OpenMP spin); two for the real model."""
+    torch.set_num_threads(2 if "real_model" in request.fixturenames else 1)
+
 # A larger init spreads the logits of a random model apart, so greedy choices are not near-ties
 # that a different matmul shape (one token vs a verified block) could flip.
 _INIT = 0.1
@@ -62,7 +69,6 @@ def repetitive_prompt(seed: int, length: int = 24, repeats: int = 3) -> torch.Te
 def real_model():
     """(model, tokenizer) of the default SmolLM2-135M-Instruct, loaded once (about 30 s)."""
     import lookup_decode
-    torch.set_num_threads(2)
     return lookup_decode.load_model()
 
 
