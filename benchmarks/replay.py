@@ -10,7 +10,7 @@ one bonus/correction token, and the emitted tokens are fed back to the proposer.
 those of `DecodeStats`: mean accepted length counts the bonus token; per-position acceptance is
 steps that kept draft position i over steps that drafted anything (vLLM's convention).
 
-Proposers: lookup_decode's SuffixIndex (min_match 2), transformers' prompt lookup, vLLM's n-gram rule
+Proposers: lookup_decode's SuffixIndex (default LookupConfig), transformers' prompt lookup, vLLM's n-gram rule
 (its default 5..5 and a 2..5 setting), and the context-copy ceiling (an oracle; see baselines.py).
 With --cost-curve (a bench_generate results.json holding `forward_cost`), each step is also priced
 as one forward over draft + 1 tokens on that machine, which adds an estimated speed-up column and
@@ -35,6 +35,7 @@ from benchmarks import workloads
 from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup, VllmNgram
 from lookup_decode.bench import (chat_ids, environment, estimated_speedup, load_tokenizer, replay,
                                  spread)
+from lookup_decode.config import LookupConfig
 from lookup_decode.index import SuffixIndex
 from lookup_decode.policy import CostCurve, DraftPolicy
 from lookup_decode.stats import DecodeStats
@@ -45,7 +46,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # name -> (prompt int32 [T], output int32 [n], cap, eos ids) -> proposer
 PROPOSERS = {
-    "lookup_decode": lambda p, o, cap, eos: SuffixIndex(p, min_match=2, max_match=64, eos_token_ids=eos),
+    "lookup_decode": lambda p, o, cap, eos: SuffixIndex(p, min_match=LookupConfig.min_match,
+                                                        max_match=LookupConfig.max_match, eos_token_ids=eos),
     "transformers_pld": lambda p, o, cap, eos: TransformersPromptLookup(p, num_output_tokens=cap,
                                                                         max_matching_ngram_size=2, eos_token_ids=eos),
     "vllm_ngram_5_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=5, max_n=5),

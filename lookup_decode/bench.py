@@ -26,7 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from lookup_decode.config import LookupConfig
 from lookup_decode.stats import DecodeStats
+
+DEFAULT = LookupConfig()
+DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
 
 PROG = "lookup-decode bench"
 LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-dominated
@@ -507,7 +511,7 @@ def run(args) -> int:
     eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
 
-    default = Variant("lookup_decode", lookup={"k": 32, "min_match": 2, "adaptive": True})
+    default = Variant("lookup_decode", lookup={"k": DEFAULT.k, "min_match": DEFAULT.min_match, "adaptive": True})
     variants = [PLAIN, default]
     say(f"{PROG}: {len(requests)} requests, up to {args.max_new_tokens} new tokens, "
         f"{torch.get_num_threads()} threads, {args.device}; warming up")
@@ -530,13 +534,13 @@ def run(args) -> int:
     prompt_lists = [p[0].tolist() for p in prompts]
     ranking = search_settings(prompt_lists, [m["plain"].tokens for m in measured], cost, eos)
     best = ranking[0]
-    default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == (32, 2, True))
+    default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == DEFAULT_KEY)
     result = {"requests": len(requests), "environment": environment(model, args.device, args.threads, args.model),
               "max_new_tokens": args.max_new_tokens,
               "default": {"setting": default.lookup, **summary},
               "forward_cost": {"sizes": sizes, "seconds": seconds}, "search": ranking[:8],
               "recommended": {"k": best["k"], "min_match": best["min_match"], "adaptive": best["adaptive"]}}
-    is_default = (best["k"], best["min_match"], best["adaptive"]) == (32, 2, True)
+    is_default = (best["k"], best["min_match"], best["adaptive"]) == DEFAULT_KEY
     if not args.no_confirm and not is_default:
         tuned = Variant("tuned", lookup=dict(result["recommended"]))
         say(f"{PROG}: confirming {tuned.describe()} end to end")
@@ -562,7 +566,7 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
     d = result["default"]
     print(f"{result['requests']} requests, up to {result['max_new_tokens']} new tokens "
           f"({result['environment']['torch_threads']} threads, {result['environment']['device']})")
-    print(f"  lookup_decode (k=32, min_match=2, adaptive): speed-up {_fmt_spread(d['speedup'])}, "
+    print(f"  lookup_decode (k={DEFAULT.k}, min_match={DEFAULT.min_match}, adaptive): speed-up {_fmt_spread(d['speedup'])}, "
           f"x{d['throughput_ratio']:.2f} total throughput; mean accepted length {d['mean_accepted_length']:.2f}; "
           f"identical outputs {d['identical']}/{d['n']}")
     if d["loop_dominated"]:

@@ -21,7 +21,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_lookup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=32, help="most draft tokens verified per step (default 32)")
-    p.add_argument("--min-match", type=int, default=2, help="shortest matched suffix that backs a draft")
+    p.add_argument("--min-match", type=int, default=1, help="shortest matched suffix that backs a draft")
     p.add_argument("--max-match", type=int, default=64)
     p.add_argument("--no-adaptive", action="store_true", help="always verify the whole draft (no cost model)")
 
@@ -118,6 +118,12 @@ def cmd_generate(args) -> int:
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
+    if args.compare:
+        # Untimed warm-up of both paths: first calls allocate, and lookup measures the model's forward
+        # cost once per process; neither belongs in a per-request comparison.
+        warm = dict(gen_kwargs, max_new_tokens=4)
+        model.generate(input_ids, **warm)
+        lookup_decode.generate(model, input_ids, k=config.k, **warm)
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     try:

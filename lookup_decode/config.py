@@ -10,13 +10,15 @@ class LookupConfig:
     """Options of one lookup-decoding call.
 
     k: the most draft tokens verified in one step (the cost model usually picks fewer).
-    min_match: shortest matched suffix that may back a draft.
+    min_match: shortest matched suffix that may back a draft. 1 by default: offline replay on real
+        outputs keeps more tokens per step with 1-token matches allowed, and the adaptive policy
+        learns (per match length) when such weak evidence is not worth a longer forward.
     max_match: longer matches count as this long when judging how far to trust a draft.
     adaptive: choose each draft length from measured forward cost and observed acceptance;
         False always verifies min(k, available) draft tokens.
     """
     k: int = 32
-    min_match: int = 2
+    min_match: int = 1
     max_match: int = 64
     adaptive: bool = True
 

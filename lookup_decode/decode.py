@@ -63,10 +63,11 @@ class _Forward:
 
 
 def _cost_curve(model, forward: _Forward, last: torch.Tensor, k: int) -> CostCurve:
-    key = (str(last.device), str(next(model.parameters()).dtype), k)
+    """The model's measured cost curve, measured once per (device, dtype) up to at least 33 tokens."""
+    key = (str(last.device), str(next(model.parameters()).dtype))
     curves = _COST_CURVES.setdefault(model, {})
-    if key not in curves:
-        curves[key] = measure_cost_curve(lambda n: forward.seconds(last.expand(1, n)), k + 1)
+    if key not in curves or curves[key].max_n < k + 1:
+        curves[key] = measure_cost_curve(lambda n: forward.seconds(last.expand(1, n)), max(k + 1, 33))
     return curves[key]
 
 

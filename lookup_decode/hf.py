@@ -129,7 +129,7 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     Directly: `lookup_decode.generate(model, input_ids, max_new_tokens=200, streamer=..., k=16)`;
     any other keyword goes to `model.generate` as usual.
 
-    Options: k (most draft tokens per step, default 32), min_match (2), max_match (64), adaptive
+    Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
     (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
     place), proposer (any object with extend/propose/match_len; default a SuffixIndex over the
     prompt and output), generator (torch.Generator for sampling).

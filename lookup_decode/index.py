@@ -58,7 +58,7 @@ class SuffixIndex:
         ([4, 1, 2], 3)
     """
 
-    def __init__(self, tokens: Iterable[int] = (), *, min_match: int = 2, max_match: int = 64,
+    def __init__(self, tokens: Iterable[int] = (), *, min_match: int = 1, max_match: int = 64,
                  eos_token_ids: Iterable[int] = ()):
         if int(min_match) < 1:
             raise ValueError(f"min_match must be >= 1, got {min_match}")

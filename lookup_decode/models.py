@@ -38,6 +38,7 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
     path: None for the default model; a .gguf file; or a local transformers model folder.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     path = default_gguf() if path is None else Path(path)
     if not path.exists():
@@ -48,6 +49,14 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
         folder, kwargs = str(path), {}
     else:
         raise ModelNotFoundError(f"{str(path)!r} is neither a .gguf file nor a model folder")
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kwargs)
+    # transformers draws progress bars while it de-quantizes GGUF tensors; they would clutter the
+    # CLI's output, so they are off during the load and restored after.
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kwargs)
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer

@@ -41,7 +41,9 @@ class CostCurve:
         self.scale = 1.0
 
     def __call__(self, n: int) -> float:
-        return self.shape[min(n, self.max_n)] * self.scale
+        if n > self.max_n:
+            raise ValueError(f"cost of {n} tokens asked, but the curve was measured up to {self.max_n}")
+        return self.shape[n] * self.scale
 
     def observe(self, n: int, seconds: float) -> None:
         if n > self.max_n or seconds <= 0:
