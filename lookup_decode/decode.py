@@ -116,7 +116,7 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         policy.cost = _cost_curve(model, forward, input_ids[:, -1:], policy.k)
     scores = _target_scores(logits_processor, ids, T, logits)
     emitted = _select(ids[0, :0], scores, uniforms)
-    stats.prefill_s = time.perf_counter() - t_start
+    stats.prefill_s += time.perf_counter() - t_start
     cur, stopped = T, False
     proposer.extend(input_ids[0])
 
@@ -166,6 +166,8 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
             policy.cost.observe(n + 1, elapsed)
         stats.proposer_s += time.perf_counter() - t
 
-    stats.prompt_tokens, stats.new_tokens = T, cur - T
-    stats.total_s = time.perf_counter() - t_start
+    # Every field adds up, so one DecodeStats can collect several calls.
+    stats.prompt_tokens += T
+    stats.new_tokens += cur - T
+    stats.total_s += time.perf_counter() - t_start
     return ids[:, :cur].clone()

@@ -105,22 +105,28 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
     """Return a callable for `model.generate(custom_generate=...)` with options bound.
 
     Useful when options must not travel through generate()'s kwargs, and to pass a streamer:
-    transformers (5.x) does not hand `generate(streamer=...)` to a callable custom_generate.
+    transformers (5.x) does not hand `generate(streamer=...)` to a callable custom_generate, so
+    bind it here (it receives the prompt first, then the generated tokens, like plain generate).
+    The `tokenizer` parameter exists so that transformers forwards `generate(tokenizer=...)`, which
+    it needs to build `stop_strings` criteria; lookup decoding itself does not use it.
     """
     config = config if config is not None else LookupConfig(**options)
     bound_streamer = streamer
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus=False, streamer=None, **model_kwargs):
+                      synced_gpus=False, streamer=None, tokenizer=None, **model_kwargs):
+        if streamer is None and bound_streamer is not None:
+            # transformers put the prompt only into a streamer it was given; this one it never saw.
+            streamer = bound_streamer
+            streamer.put(input_ids.cpu())
         return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                              streamer if streamer is not None else bound_streamer, config, stats, proposer,
-                              generator, model_kwargs)
+                              streamer, config, stats, proposer, generator, model_kwargs)
 
     return decoding_loop
 
 
 def generate(model, input_ids=None, logits_processor=None, stopping_criteria=None, generation_config=None,
-             synced_gpus=False, streamer=None, *, k: int | None = None, min_match: int | None = None,
+             synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
              max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
              proposer=None, generator: torch.Generator | None = None, **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
@@ -128,6 +134,8 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
     Directly: `lookup_decode.generate(model, input_ids, max_new_tokens=200, streamer=..., k=16)`;
     any other keyword goes to `model.generate` as usual.
+
+    `tokenizer` is only forwarded to transformers (it needs one for `stop_strings`).
 
     Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
     (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
@@ -142,8 +150,10 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
         if not hasattr(model, "generate"):
             raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
         hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer)
+        if tokenizer is not None:
+            model_kwargs["tokenizer"] = tokenizer
         return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                              streamer=streamer, custom_generate=hook, **model_kwargs)
+                              custom_generate=hook, **model_kwargs)
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,

@@ -1,5 +1,6 @@
 """DecodeStats: what one generation did, with fixed conventions (vLLM's metrics vocabulary).
 
+Every field is a sum, so one DecodeStats passed to several calls (or `merge`d) describes them all.
 A *step* is one verification forward. *Drafted* tokens were sent to the model, *accepted* ones
 were kept; every step also emits one target token (the *recovered* token after a rejection, or
 the *bonus* token after a fully accepted draft), so mean accepted length counts it too.

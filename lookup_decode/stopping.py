@@ -6,9 +6,9 @@ token where plain decoding stops (EOS, max length, stop strings, any user criter
 
 `StopStrings` is a StoppingCriteria for many stop strings at once over the decoded text: one
 Aho-Corasick automaton (pyahocorasick) finds every stop string ending inside the newest token in
-one pass, however many strings there are. The CLI's --stop and `lookup_decode.generate(...,
-stop_strings=..., tokenizer=...)` use it; inside `model.generate` transformers' own
-StopStringCriteria is used as is.
+one pass, however many strings there are. The CLI's --stop uses it; any generate call takes it as
+`stopping_criteria=StoppingCriteriaList([StopStrings(tokenizer, strings)])`. transformers' own
+`generate(stop_strings=..., tokenizer=...)` keeps working too (its StopStringCriteria is used as is).
 """
 
 from __future__ import annotations

@@ -206,3 +206,24 @@ def test_return_dict_with_scores_and_logits(tiny_llama):
     for a, b in zip(got.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert got.cache.get_seq_length() == ref.cache.get_seq_length()
+
+
+def test_bound_streamer_receives_prompt_then_tokens(tiny_llama):
+    prompt = repetitive_prompt(15)
+    ref = plain(tiny_llama, prompt, max_new_tokens=20, eos_token_id=None)
+    streamer = Recorder()
+    hook = lookup_decode.lookup_decoding(streamer=streamer, k=8, adaptive=False, min_match=1)
+    got = tiny_llama.generate(prompt, max_new_tokens=20, eos_token_id=None, custom_generate=hook, **GREEDY)
+    assert got.tolist() == ref.tolist()
+    assert streamer.chunks[0] == prompt.tolist()
+    assert [t for chunk in streamer.chunks[1:] for t in chunk] == ref[0, prompt.shape[1]:].tolist()
+
+
+def test_stats_add_up_across_calls(tiny_llama):
+    once, twice = DecodeStats(), DecodeStats()
+    for stats, calls in ((once, 1), (twice, 2)):
+        for _ in range(calls):
+            lookup(tiny_llama, repetitive_prompt(16), stats, max_new_tokens=12, eos_token_id=None, k=4, adaptive=False)
+    for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted"):
+        assert getattr(twice, name) == 2 * getattr(once, name), name
+    assert twice.new_tokens == 1 * 2 + twice.steps + twice.accepted
