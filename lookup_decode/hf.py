@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from lookup_decode.cache import cache_argument, check_croppable, new_cache
@@ -107,14 +108,12 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
     Useful when options must not travel through generate()'s kwargs, and to pass a streamer:
     transformers (5.x) does not hand `generate(streamer=...)` to a callable custom_generate, so
     bind it here (it receives the prompt first, then the generated tokens, like plain generate).
-    The `tokenizer` parameter exists so that transformers forwards `generate(tokenizer=...)`, which
-    it needs to build `stop_strings` criteria; lookup decoding itself does not use it.
     """
     config = config if config is not None else LookupConfig(**options)
     bound_streamer = streamer
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus=False, streamer=None, tokenizer=None, **model_kwargs):
+                      synced_gpus=False, streamer=None, **model_kwargs):
         if streamer is None and bound_streamer is not None:
             # transformers put the prompt only into a streamer it was given; this one it never saw.
             streamer = bound_streamer
@@ -135,7 +134,8 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     Directly: `lookup_decode.generate(model, input_ids, max_new_tokens=200, streamer=..., k=16)`;
     any other keyword goes to `model.generate` as usual.
 
-    `tokenizer` is only forwarded to transformers (it needs one for `stop_strings`).
+    Stop strings: transformers 5.x cannot combine `stop_strings` with a callable custom_generate
+    (it drops the tokenizer), so pass them to this direct call: `stop_strings=[...], tokenizer=tok`.
 
     Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
     (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
@@ -150,8 +150,14 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
         if not hasattr(model, "generate"):
             raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
         hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer)
-        if tokenizer is not None:
-            model_kwargs["tokenizer"] = tokenizer
+        stop_strings = model_kwargs.pop("stop_strings", None)
+        if stop_strings is not None:
+            # transformers (5.x) drops `tokenizer` for a callable custom_generate and then refuses
+            # stop_strings; build the very criterion it would have built.
+            if tokenizer is None:
+                raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=...")
+            extra = StoppingCriteriaList([StopStringCriteria(tokenizer, stop_strings)])
+            stopping_criteria = extra if stopping_criteria is None else StoppingCriteriaList([*stopping_criteria, *extra])
         return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                               custom_generate=hook, **model_kwargs)
     if synced_gpus:
