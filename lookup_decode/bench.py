@@ -148,12 +148,13 @@ def sync(device) -> None:
 
 
 def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
-    """Greedy generation of up to max_new_tokens after input_ids (long [1, T]), timed with device syncs."""
+    """Generation of up to max_new_tokens after input_ids (long [1, T]), timed with device syncs.
+    Greedy unless variant.generate_kwargs asks for sampling."""
     import torch
 
     import lookup_decode
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids),
-                  **variant.generate_kwargs)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
+    kwargs.update(variant.generate_kwargs)      # may switch to sampling (do_sample, temperature, ...)
     stats = None
     if variant.lookup is not None:
         stats = DecodeStats()

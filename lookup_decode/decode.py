@@ -18,7 +18,7 @@ from lookup_decode.cache import crop
 from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
-from lookup_decode.verify import accept_greedy, accept_sampled
+from lookup_decode.verify import accept_greedy, accept_sampled, accept_with_draft_probs
 
 # Measured forward-cost curves per model, kept for the model's lifetime: calibration costs a few
 # forwards, and the curve keeps learning across calls.
@@ -82,10 +82,13 @@ def _target_scores(logits_processor, ids: torch.Tensor, cur: int, logits: torch.
     return torch.cat(rows)
 
 
-def _select(draft, scores, uniforms):
-    if uniforms is not None:
-        return accept_sampled(draft, torch.softmax(scores, dim=-1), uniforms[: draft.numel() + 1])
-    return accept_greedy(draft, scores)
+def _select(draft, scores, uniforms, draft_probs=None, generator=None):
+    if uniforms is None:
+        return accept_greedy(draft, scores)
+    probs = torch.softmax(scores, dim=-1)
+    if draft_probs is not None and draft.numel() > 0:   # drafts sampled from q (a draft model)
+        return accept_with_draft_probs(draft, probs, draft_probs[: draft.numel()].to(probs.device), generator)
+    return accept_sampled(draft, probs, uniforms[: draft.numel() + 1])
 
 
 @torch.inference_mode()
@@ -96,7 +99,8 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
     """Generate after a [1, T] prompt; same tokens as plain decoding (greedy) or same distribution (sampling).
 
     forward: runs the model on the (empty) cache it owns; proposer: `extend(tokens)`,
-    `propose(max_tokens) -> int32 [d]`, `match_len`; stopping_criteria: transformers-style, checked
+    `propose(max_tokens) -> int32 [d]`, `match_len`, and optionally `draft_probs` (float [d, V], the
+    distribution the draft was sampled from; sampling then uses the general rejection rule); stopping_criteria: transformers-style, checked
     after every emitted token. Returns long [1, T + new].
     """
     stats = stats if stats is not None else DecodeStats()
@@ -152,7 +156,8 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         ids[0, cur: cur + n] = draft
         logits = forward(ids[:, cur - 1: cur + n], n + 1)
         scores = _target_scores(logits_processor, ids, cur, logits)
-        emitted = _select(draft, scores, None if uniforms is None else uniforms[cur - T:])
+        emitted = _select(draft, scores, None if uniforms is None else uniforms[cur - T:],
+                          getattr(proposer, "draft_probs", None), generator)
         n_kept = emitted.numel() - 1
         # 5. Roll back: the cache keeps the last token and the accepted drafts only.
         crop(forward.cache, n - n_kept)

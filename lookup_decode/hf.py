@@ -54,6 +54,14 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
     if generation_config.output_attentions or generation_config.output_hidden_states:
         raise ValueError("lookup_decode does not return attentions or hidden states; drop output_attentions/"
                          "output_hidden_states (scores and logits are supported)")
+    if generation_config.do_sample:
+        t, top_p, top_k = generation_config.temperature, generation_config.top_p, generation_config.top_k
+        if t is not None and not t > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {t} (use do_sample=False for greedy)")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("attention_mask has padding; lookup_decode does not support padded (batched) input yet")
@@ -78,6 +86,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
     params = inspect.signature(model.forward).parameters
     forward = _Forward(model, cache, cache_argument(model), "logits_to_keep" in params)
+    if hasattr(proposer, "check_compatible"):
+        proposer.check_compatible(model)
     if proposer is None:
         proposer = SuffixIndex(min_match=options.min_match, max_match=options.max_match,
                                eos_token_ids=_eos_ids(generation_config))

@@ -1,0 +1,81 @@
+"""DraftModelProposer: drafts from a small Transformers model that shares the target's tokenizer.
+
+Unlike the suffix index, whose drafts are point masses, a draft model *samples* its drafts from its
+own distribution q, and exposes q so the verifier can apply the general speculative-sampling rule
+(accept with min(1, p/q), on rejection draw from max(0, p - q)); see `verify.accept_with_draft_probs`.
+It follows the same proposer protocol (`extend`, `propose`, `match_len`) plus `draft_probs`.
+Its KV cache only ever holds accepted tokens: drafted tokens are cropped right after proposing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lookup_decode.cache import cache_argument, check_croppable, crop, new_cache
+
+
+class DraftModelProposer:
+    """Propose up to `max_tokens` tokens by running `draft_model` autoregressively.
+
+    Args:
+        draft_model: a causal LM whose vocabulary matches the target's (same tokenizer).
+        do_sample: sample drafts from q = softmax(logits / temperature) (use with do_sample=True on
+            the target); False drafts the argmax (for greedy targets).
+        temperature: of q; any q keeps sampling exact, a q close to the target's p keeps more drafts.
+        generator: torch.Generator for the draft samples.
+    """
+
+    match_len = 0  # no suffix match behind these drafts; the draft policy buckets them together
+
+    def __init__(self, draft_model, *, do_sample: bool = True, temperature: float = 1.0,
+                 generator: torch.Generator | None = None):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.model = draft_model.eval()
+        self.do_sample, self.temperature, self.generator = do_sample, float(temperature), generator
+        self.device = next(draft_model.parameters()).device
+        self.cache = new_cache(draft_model)
+        check_croppable(self.cache, draft_model)
+        self._cache_arg = cache_argument(draft_model)
+        self.tokens: list[int] = []      # every accepted token, prompt included
+        self.draft_probs: torch.Tensor | None = None   # q of the last proposal, float [d, V]
+
+    def check_compatible(self, target_model) -> None:
+        """Clear errors for a draft model that cannot serve this target."""
+        target_vocab = target_model.get_output_embeddings().weight.shape[0]
+        draft_vocab = self.model.get_output_embeddings().weight.shape[0]
+        if target_vocab != draft_vocab:
+            raise ValueError(f"the draft model's vocabulary ({draft_vocab} ids) differs from the target's "
+                             f"({target_vocab}); the draft model must share the target's tokenizer")
+        target_device = next(target_model.parameters()).device
+        if target_device != self.device:
+            raise ValueError(f"the draft model is on {self.device} but the target is on {target_device}; "
+                             "move both to the same device")
+
+    def extend(self, tokens) -> None:
+        self.tokens.extend(int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens))
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, **{self._cache_arg: self.cache}, use_cache=True)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def propose(self, max_tokens: int) -> np.ndarray:
+        self.draft_probs = None
+        if max_tokens <= 0 or not self.tokens:
+            return np.zeros(0, np.int32)
+        cached = self.cache.get_seq_length()
+        logits = self._forward(self.tokens[cached:])          # bring the cache up to every accepted token
+        draft, rows = [], []
+        for _ in range(max_tokens):
+            q = torch.softmax(logits / self.temperature, -1)
+            tok = (int(torch.multinomial(q, 1, generator=self.generator)) if self.do_sample else int(q.argmax()))
+            draft.append(tok)
+            rows.append(q)
+            if len(draft) < max_tokens:
+                logits = self._forward([tok])
+        crop(self.cache, self.cache.get_seq_length() - len(self.tokens))   # drafts are speculative
+        self.draft_probs = torch.stack(rows)
+        return np.asarray(draft, dtype=np.int32)
