@@ -18,7 +18,7 @@ from lookup_decode.cache import crop
 from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
-from lookup_decode.verify import accept_greedy, accept_sampled, accept_with_draft_probs
+from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_with_draft_probs
 
 # Measured forward-cost curves per model, kept for the model's lifetime: calibration costs a few
 # forwards, and the curve keeps learning across calls.
@@ -71,24 +71,30 @@ def _cost_curve(model, forward: _Forward, last: torch.Tensor, k: int) -> CostCur
     return curves[key]
 
 
-def _target_scores(logits_processor, ids: torch.Tensor, cur: int, logits: torch.Tensor) -> torch.Tensor:
-    """Apply the logits processors to each row with exactly the prefix that row would have seen.
+def _verify(logits_processor, ids: torch.Tensor, cur: int, draft: torch.Tensor, logits: torch.Tensor,
+            uniforms: torch.Tensor | None, draft_probs: torch.Tensor | None = None, generator=None):
+    """Emitted tokens (long [m + 1]) and the processed score rows they came from ([>= m + 1, V]).
 
-    ids: long [1, >= cur + n] holding the sequence then the draft; logits: float [n + 1, V].
+    ids: long [1, >= cur + n] holds the sequence then the draft; logits: float [n + 1, V]. Row i gets
+    the logits processors with exactly the prefix it would have seen in plain decoding: ids[:, :cur + i].
+    uniforms: None for greedy, else float64 uniforms of these positions (see verify.accept_sampled).
     """
-    if not logits_processor:
-        return logits
-    rows = [logits_processor(ids[:, : cur + i], logits[i: i + 1].clone()) for i in range(logits.shape[0])]
-    return torch.cat(rows)
+    n = draft.numel()
 
+    def row(i):
+        if not logits_processor:
+            return logits[i: i + 1]
+        return logits_processor(ids[:, : cur + i], logits[i: i + 1].clone())
 
-def _select(draft, scores, uniforms, draft_probs=None, generator=None):
-    if uniforms is None:
-        return accept_greedy(draft, scores)
-    probs = torch.softmax(scores, dim=-1)
-    if draft_probs is not None and draft.numel() > 0:   # drafts sampled from q (a draft model)
-        return accept_with_draft_probs(draft, probs, draft_probs[: draft.numel()].to(probs.device), generator)
-    return accept_sampled(draft, probs, uniforms[: draft.numel() + 1])
+    if uniforms is not None and draft_probs is not None and n > 0:
+        # Drafts sampled from q (a draft model): the rejection rule needs p on every row.
+        scores = torch.cat([row(i) for i in range(n + 1)])
+        probs = torch.softmax(scores, dim=-1)
+        return accept_with_draft_probs(draft, probs, draft_probs[:n].to(probs.device), generator), scores
+    if uniforms is None and not logits_processor:
+        return accept_greedy(draft, logits), logits          # one vectorized argmax, no per-row work
+    emitted, rows = accept_row_by_row(draft, row, uniforms)
+    return emitted, torch.cat(rows)
 
 
 @torch.inference_mode()
@@ -118,8 +124,7 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
     logits = forward(input_ids, 1)
     if adaptive and policy.k > 0 and policy.cost is None:
         policy.cost = _cost_curve(model, forward, input_ids[:, -1:], policy.k)
-    scores = _target_scores(logits_processor, ids, T, logits)
-    emitted = _select(ids[0, :0], scores, uniforms)
+    emitted, scores = _verify(logits_processor, ids, T, ids[0, :0], logits, uniforms)
     stats.prefill_s += time.perf_counter() - t_start
     cur, stopped = T, False
     proposer.extend(input_ids[0])
@@ -155,9 +160,9 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         t = time.perf_counter()
         ids[0, cur: cur + n] = draft
         logits = forward(ids[:, cur - 1: cur + n], n + 1)
-        scores = _target_scores(logits_processor, ids, cur, logits)
-        emitted = _select(draft, scores, None if uniforms is None else uniforms[cur - T:],
-                          getattr(proposer, "draft_probs", None), generator)
+        emitted, scores = _verify(logits_processor, ids, cur, draft, logits,
+                                  None if uniforms is None else uniforms[cur - T:],
+                                  getattr(proposer, "draft_probs", None), generator)
         n_kept = emitted.numel() - 1
         # 5. Roll back: the cache keeps the last token and the accepted drafts only.
         crop(forward.cache, n - n_kept)

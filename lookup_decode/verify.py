@@ -51,6 +51,28 @@ def accept_sampled(draft: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) ->
     return x[: n_kept + 1]
 
 
+def accept_row_by_row(draft: torch.Tensor, row_scores, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, list]:
+    """The same acceptance as accept_greedy / accept_sampled, computing target rows only as needed.
+
+    row_scores(i) -> float [1, V]: the processed scores of row i (the logits processors run on demand).
+    uniforms: None for greedy, else float64 [n + 1] as in accept_sampled. Stops at the first row whose
+    token differs from the draft: later rows would be thrown away, and one processor call (a top-p sort
+    over the vocabulary, say) can cost as much as a small forward. Returns (emitted long [m + 1],
+    the m + 1 rows computed).
+    """
+    n = draft.numel()
+    rows = []
+    for i in range(n + 1):
+        rows.append(row_scores(i))
+        if uniforms is None:
+            x = rows[-1].argmax(-1)
+        else:
+            x = sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[i: i + 1])
+        if i == n or int(x) != int(draft[i]):
+            break
+    return torch.cat([draft[:i], x.to(draft.dtype)]), rows
+
+
 def accept_with_draft_probs(draft: torch.Tensor, probs: torch.Tensor, draft_probs: torch.Tensor,
                             generator: torch.Generator | None = None) -> torch.Tensor:
     """Speculative sampling for drafts drawn from a distribution (e.g. a draft model).

@@ -115,23 +115,31 @@ def test_plain_generate_sampling_matches_the_exact_target(model):
     assert chi_square_pvalue(counts, target) > ALPHA
 
 
-def _keep_every_draft(draft, probs, u):
-    return torch.cat([draft, sample_rows(probs[len(draft):], u[len(draft):])])
+def _all_rows(draft, row_scores):
+    rows = [row_scores(i) for i in range(draft.numel() + 1)]
+    return torch.softmax(torch.cat(rows), dim=-1), rows
 
 
-def _reject_without_removing(draft, probs, u):
-    """Keeps d_i with probability p(d_i), but redraws a rejected position from p itself."""
+def _keep_every_draft(draft, row_scores, uniforms):
+    probs, rows = _all_rows(draft, row_scores)
     n = draft.numel()
-    n_kept = int((u[:n] < probs[torch.arange(n), draft].double()).long().cumprod(0).sum())
-    redraw = sample_rows(probs[n_kept:n_kept + 1], (u[n_kept:n_kept + 1] * 7919.0) % 1.0)
-    return torch.cat([draft[:n_kept], redraw])
+    return torch.cat([draft, sample_rows(probs[n:], uniforms[n: n + 1])]), rows
+
+
+def _reject_without_removing(draft, row_scores, uniforms):
+    """Keeps d_i with probability p(d_i), but redraws a rejected position from p itself."""
+    probs, rows = _all_rows(draft, row_scores)
+    n = draft.numel()
+    n_kept = int((uniforms[:n] < probs[torch.arange(n), draft].double()).long().cumprod(0).sum())
+    redraw = sample_rows(probs[n_kept:n_kept + 1], (uniforms[n_kept:n_kept + 1] * 7919.0) % 1.0)
+    return torch.cat([draft[:n_kept], redraw]), rows
 
 
 @pytest.mark.parametrize("wrong_rule", [_keep_every_draft, _reject_without_removing])
 def test_negative_controls_are_rejected(model, monkeypatch, wrong_rule):
     gen_kwargs = CONFIGS["temperature_1"]
     target = exact_joint(model, **gen_kwargs)
-    monkeypatch.setattr(decode_module, "accept_sampled", wrong_rule)
+    monkeypatch.setattr(decode_module, "accept_row_by_row", wrong_rule)
     counts = sample_counts(model, lookup_sampler(DecodeStats(), torch.Generator().manual_seed(1)), **gen_kwargs)
     assert chi_square_pvalue(counts, target) < ALPHA
 

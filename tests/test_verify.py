@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from lookup_decode.verify import accept_greedy, accept_sampled, accept_with_draft_probs, sample_rows
+from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_sampled, accept_with_draft_probs, sample_rows
 
 V = 8
 
@@ -162,3 +162,19 @@ def test_point_mass_rule_is_lossless_for_any_draft_source():
     rng = torch.Generator().manual_seed(3)
     counts = first_token_counts(accept_sampled, lambda: torch.multinomial(q, 1, generator=rng), probs)
     assert chi_square_pvalue(counts, p.numpy()) > ALPHA
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_row_by_row_equals_vectorized_rules(seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(6, V, generator=g) * 3
+    target = scores.argmax(-1)
+    for n_match in range(6):                                 # drafts agreeing with the argmax for n_match tokens
+        draft = torch.cat([target[:n_match], (target[n_match:5] + 1) % V])
+        u = uniforms(6, g)
+        rows_fn = lambda i: scores[i: i + 1]  # noqa: E731
+        greedy, rows = accept_row_by_row(draft, rows_fn, None)
+        assert greedy.tolist() == accept_greedy(draft, scores).tolist() and len(rows) == greedy.numel()
+        sampled, rows = accept_row_by_row(draft, rows_fn, u)
+        assert sampled.tolist() == accept_sampled(draft, torch.softmax(scores, -1), u).tolist()
+        assert len(rows) == sampled.numel()
