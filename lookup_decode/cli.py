@@ -69,7 +69,7 @@ def _read_prompt(args) -> str:
         raise SystemExit("lookup-decode: give a prompt with --prompt, --prompt-file or on stdin")
     if not text.strip():
         raise SystemExit("lookup-decode: the prompt is empty")
-    return text
+    return text.rstrip()  # a file's final newline is not part of the request
 
 
 def _validate(args) -> None:
