@@ -18,7 +18,7 @@ from lookup_decode.cache import crop
 from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
-from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_with_draft_probs
+from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_sampled, accept_with_draft_probs
 
 # Measured forward-cost curves per model, kept for the model's lifetime: calibration costs a few
 # forwards, and the curve keeps learning across calls.
@@ -91,8 +91,10 @@ def _verify(logits_processor, ids: torch.Tensor, cur: int, draft: torch.Tensor, 
         scores = torch.cat([row(i) for i in range(n + 1)])
         probs = torch.softmax(scores, dim=-1)
         return accept_with_draft_probs(draft, probs, draft_probs[:n].to(probs.device), generator), scores
-    if uniforms is None and not logits_processor:
-        return accept_greedy(draft, logits), logits          # one vectorized argmax, no per-row work
+    if not logits_processor:                             # nothing to run per row: decide all rows at once
+        if uniforms is None:
+            return accept_greedy(draft, logits), logits
+        return accept_sampled(draft, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
     emitted, rows = accept_row_by_row(draft, row, uniforms)
     return emitted, torch.cat(rows)
 
@@ -106,8 +108,8 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
 
     forward: runs the model on the (empty) cache it owns; proposer: `extend(tokens)`,
     `propose(max_tokens) -> int32 [d]`, `match_len`, and optionally `draft_probs` (float [d, V], the
-    distribution the draft was sampled from; sampling then uses the general rejection rule); stopping_criteria: transformers-style, checked
-    after every emitted token. Returns long [1, T + new].
+    distribution the draft was sampled from; sampling then uses the general rejection rule);
+    stopping_criteria: transformers-style, checked after every emitted token. Returns long [1, T + new].
     """
     stats = stats if stats is not None else DecodeStats()
     t_start = time.perf_counter()

@@ -90,6 +90,7 @@ CONFIGS = {
     "top_p_0.7": dict(top_p=0.7),
     "repetition_penalty": dict(temperature=0.9, repetition_penalty=1.5),
     "top_k_1": dict(top_k=1),                                        # p(d) in {0, 1}: a point mass
+    "no_processors": dict(temperature=1.0, top_k=0),                 # raw softmax: the vectorized rule
 }
 
 
