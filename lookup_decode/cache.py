@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -50,3 +52,23 @@ def crop(cache, n_remove: int) -> None:
     """Drop the newest `n_remove` tokens from every layer (no-op for 0)."""
     if n_remove > 0:
         cache.crop(-n_remove)
+
+
+def compact(cache, mask: torch.Tensor) -> torch.Tensor:
+    """Drop the hole columns of a batched cache; returns the new column mask.
+
+    mask: bool [A, S], the valid columns of each row (holes are columns a row rejected while
+    another row kept them). Each row's valid columns keep their order and move to the right end,
+    as with left padding: [A, S] -> [A, S'] with S' = the most valid columns of any row. Positions
+    were applied when the keys were computed, so moving columns changes nothing a row attends to.
+    """
+    width = int(mask.sum(1).max())
+    # A stable sort of 0/1 puts each row's invalid columns first and its valid ones last, in order.
+    index = torch.argsort(mask.to(torch.int8), dim=1, stable=True)[:, -width:]     # [A, S']
+    def take(states):                                   # [A, heads, S, dim] -> [A, heads, S', dim]
+        where = index.to(states.device)[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+        return states.gather(2, where)
+
+    for layer in cache.layers:
+        layer.keys, layer.values = take(layer.keys), take(layer.values)
+    return mask.gather(1, index)

@@ -17,6 +17,7 @@ import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from lookup_decode.batch import BatchForward, check_batch_memory, lookup_generate_batch
 from lookup_decode.cache import cache_argument, check_croppable, new_cache
 from lookup_decode.config import LookupConfig
 from lookup_decode.decode import Recorded, _Forward, lookup_generate
@@ -47,8 +48,6 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
         if (getattr(generation_config, option, 1) or 1) > 1:
             raise ValueError(f"lookup_decode does not support {option} > 1 (got {getattr(generation_config, option)}); "
                              "use plain model.generate for beam search or several sequences")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"lookup_decode generates one sequence at a time for now; got batch size {input_ids.shape[0]}")
     if generation_config.prompt_lookup_num_tokens is not None:
         raise ValueError("pass either custom_generate=lookup_decode.generate or prompt_lookup_num_tokens, not both")
     if generation_config.output_attentions or generation_config.output_hidden_states:
@@ -62,9 +61,7 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ValueError("attention_mask has padding; lookup_decode does not support padded (batched) input yet")
+    _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
     low, high = int(input_ids.min()), int(input_ids.max())
@@ -73,6 +70,73 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and input_ids.shape[1] >= context:
         raise ValueError(f"the prompt has {input_ids.shape[1]} tokens but {name} has a context of {context} tokens")
+
+
+def _check_attention_mask(mask, input_ids) -> None:
+    """The mask must match input_ids, hold only 0/1, and pad on the left (as generate() expects of decoders)."""
+    if mask is None:
+        return
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape {tuple(input_ids.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if bool((mask[:, -1] == 0).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("attention_mask pads on the right (or in the middle); decoder-only generation needs left "
+                         "padding: tokenizer.padding_side = 'left'")
+
+
+def _is_batched(input_ids, model_kwargs) -> bool:
+    mask = model_kwargs.get("attention_mask")
+    return input_ids.shape[0] > 1 or (mask is not None and not bool((mask == 1).all()))
+
+
+def _pad_token_id(generation_config) -> int:
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    pad = pad if pad is not None else generation_config.pad_token_id
+    if pad is None:
+        eos = _eos_ids(generation_config)
+        if not eos:
+            raise ValueError("batched generation needs a pad_token_id (or an eos_token_id) to pad finished rows")
+        pad = eos[0]
+    return int(pad.reshape(-1)[0]) if isinstance(pad, torch.Tensor) else int(pad)
+
+
+def _check_streamer(streamer, input_ids) -> None:
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(f"streamers take one sequence; got a batch of {input_ids.shape[0]} rows "
+                         "(stream one request at a time)")
+
+
+def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                options: LookupConfig, stats, proposer, generator, cache, cache_arg, keep_logits, model_kwargs):
+    """Batches (or a left-padded row): one suffix index per row, ragged acceptance (see batch.py)."""
+    B = input_ids.shape[0]
+    _check_streamer(streamer, input_ids)
+    if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
+        raise ValueError("output_scores/output_logits are not supported for batches yet; generate rows one by one")
+    if proposer is None:
+        proposers = [SuffixIndex(min_match=options.min_match, max_match=options.max_match,
+                                 eos_token_ids=_eos_ids(generation_config)) for _ in range(B)]
+    elif isinstance(proposer, (list, tuple)) and len(proposer) == B:
+        proposers = list(proposer)
+    else:
+        raise ValueError(f"a batch of {B} rows needs one proposer per row: pass proposer=[...] with {B} proposers")
+    for p in proposers:
+        if hasattr(p, "check_compatible"):
+            p.check_compatible(model)
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{type(model).__name__}.forward takes no position_ids; batched lookup decoding needs them")
+    check_batch_memory(model, B, generation_config.max_length, options.k)
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask
+    sequences = lookup_generate_batch(
+        model, input_ids, mask, forward=BatchForward(model, cache, cache_arg, keep_logits), proposers=proposers,
+        k=options.k, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        max_length=generation_config.max_length, pad_token_id=_pad_token_id(generation_config),
+        do_sample=bool(generation_config.do_sample), generator=generator, stats=stats, adaptive=options.adaptive)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, cache=cache)
 
 
 def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
@@ -84,8 +148,12 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     check_croppable(cache, model)
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
-    params = inspect.signature(model.forward).parameters
-    forward = _Forward(model, cache, cache_argument(model), "logits_to_keep" in params)
+    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+    if _is_batched(input_ids, model_kwargs):
+        return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                           options, stats, proposer, generator, cache, cache_argument(model), keep_logits,
+                           model_kwargs)
+    forward = _Forward(model, cache, cache_argument(model), keep_logits)
     if hasattr(proposer, "check_compatible"):
         proposer.check_compatible(model)
     if proposer is None:
@@ -127,6 +195,7 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
         if streamer is None and bound_streamer is not None:
             # transformers put the prompt only into a streamer it was given; this one it never saw.
             streamer = bound_streamer
+            _check_streamer(streamer, input_ids)
             streamer.put(input_ids.cpu())
         return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                               streamer, config, stats, proposer, generator, model_kwargs)

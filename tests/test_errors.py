@@ -14,9 +14,10 @@ def hooked(model, prompt, **kw):
     return model.generate(prompt, do_sample=False, pad_token_id=0, custom_generate=lookup_decode.generate, **kw)
 
 
-def test_batch_larger_than_one(tiny_llama):
-    with pytest.raises(ValueError, match="batch size 2"):
-        hooked(tiny_llama, repetitive_prompt(0).repeat(2, 1))
+def test_streamer_with_a_batch(tiny_llama):
+    with pytest.raises(ValueError, match="streamers take one sequence"):
+        lookup_decode.generate(tiny_llama, repetitive_prompt(0).repeat(2, 1), max_new_tokens=4, pad_token_id=0,
+                               streamer=object())
 
 
 def test_num_return_sequences(tiny_llama):
@@ -45,11 +46,11 @@ def test_token_ids_outside_vocabulary(tiny_llama):
         hooked(tiny_llama, torch.tensor([[5, 6, VOCAB + 3]]))
 
 
-def test_padding_in_attention_mask(tiny_llama):
+def test_right_padding_in_attention_mask(tiny_llama):
     prompt = repetitive_prompt(0)
     mask = torch.ones_like(prompt)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="padding"):
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match="left padding"):
         hooked(tiny_llama, prompt, attention_mask=mask)
 
 

@@ -1,0 +1,229 @@
+"""Batched lookup decoding: every row equals plain batched greedy generate (transformers' near-tie rule)
+and the row generated alone; ragged acceptance, early EOS, hole compaction, sampling per row, bad input."""
+
+import numpy as np
+import pytest
+import torch
+
+import lookup_decode
+import lookup_decode.batch as batch_module
+import lookup_decode.decode as decode_module
+import test_sampling as ts
+from conftest import TINY_ARCHS, VOCAB, chat_ids, make_tiny, repetitive_prompt
+from lookup_decode import DecodeStats
+from lookup_decode.batch import check_batch_memory, choose_width
+from lookup_decode.policy import CostCurve, DraftPolicy
+from test_sampling import model  # noqa: F401  (the vocabulary-6 sampling model fixture)
+
+NEAR_TIE = 1e-5
+
+
+def left_pad(prompts, pad=0):
+    """[B, P] ids and mask from 1-D prompts of different lengths, padded on the left like a tokenizer would."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):], mask[i, P - len(p):] = p, 1
+    return ids, mask
+
+
+def mixed_prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [repetitive_prompt(seed * 100 + i, length=int(rng.integers(5, 16)), repeats=int(rng.integers(2, 4)))[0]
+            for i in range(n)]
+
+
+def assert_same_or_near_tie(ours, theirs, logits):
+    """Rows of `ours` and `theirs` (generated parts, long [n]) are equal, or differ only after a position where
+    the reference's two best logits are within NEAR_TIE (a different reduction order may flip such a choice)."""
+    n = min(len(ours), len(theirs))
+    diff = np.flatnonzero(np.asarray(ours[:n]) != np.asarray(theirs[:n]))
+    if len(diff) == 0:
+        assert len(ours) == len(theirs)
+        return
+    top2 = torch.topk(logits[diff[0]].float(), 2).values
+    assert float(top2[0] - top2[1]) < NEAR_TIE, f"rows differ at {diff[0]} without a near-tie"
+
+
+def plain_batch(model, ids, mask, max_new_tokens, **kw):
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                         return_dict_in_generate=True, output_logits=True, **kw)
+    return out.sequences, torch.stack(out.logits, 1)      # [B, P + new], [B, new, V]
+
+
+def lookup_batch(model, ids, mask, max_new_tokens, stats, **kw):
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                          custom_generate=lookup_decode.generate, stats=stats, min_match=1, **kw)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+def test_batch_equals_plain_batched_generate_and_each_row_alone(arch, batch):
+    model = make_tiny(arch)
+    prompts = mixed_prompts(batch, seed=batch)
+    ids, mask = left_pad(prompts)
+    stats = DecodeStats()
+    ours = lookup_batch(model, ids, mask, 40, stats, eos_token_id=None)
+    theirs, logits = plain_batch(model, ids, mask, 40, eos_token_id=None)
+    assert ours.shape == theirs.shape
+    P = ids.shape[1]
+    for b, prompt in enumerate(prompts):
+        assert_same_or_near_tie(ours[b, P:].tolist(), theirs[b, P:].tolist(), logits[b])
+        alone, alone_logits = plain_batch(model, prompt[None], torch.ones_like(prompt[None]), 40, eos_token_id=None)
+        assert_same_or_near_tie(ours[b, P:].tolist(), alone[0, len(prompt):].tolist(), alone_logits[0])
+    assert stats.accepted > 0, "guard: drafts were accepted in at least one row"
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_rows_that_stop_early_are_padded_like_plain_generate(arch):
+    model = make_tiny(arch)
+    prompts = mixed_prompts(5, seed=7)
+    ids, mask = left_pad(prompts)
+    free, _ = plain_batch(model, ids, mask, 40, eos_token_id=None)
+    P = ids.shape[1]
+    eos = int(free[0, P + 12])                              # row 0 emits this mid-way: make it the EOS
+    stats = DecodeStats()
+    ours = lookup_batch(model, ids, mask, 40, stats, eos_token_id=eos)
+    theirs, logits = plain_batch(model, ids, mask, 40, eos_token_id=eos)
+    assert ours.shape == theirs.shape
+    assert (theirs[:, P:] == 0).any(), "guard: some row stopped early and was padded"
+    for b in range(len(prompts)):
+        assert_same_or_near_tie(ours[b, P:].tolist(), theirs[b, P:].tolist(), logits[b])
+    assert stats.accepted > 0
+
+
+def test_compaction_every_step_changes_nothing_and_bounds_the_cache(monkeypatch, tiny_llama):
+    prompts = mixed_prompts(6, seed=3)
+    ids, mask = left_pad(prompts)
+    theirs, logits = plain_batch(tiny_llama, ids, mask, 60, eos_token_id=None)
+    calls = []
+    real_compact = batch_module.compact
+
+    def counting_compact(cache, m):
+        calls.append(m.shape[1])
+        out = real_compact(cache, m)
+        assert out.shape[1] == int(m.sum(1).max())          # exactly the longest row's valid columns remain
+        return out
+
+    monkeypatch.setattr(batch_module, "compact", counting_compact)
+    monkeypatch.setattr(batch_module, "_MIN_HOLES", 0)
+    monkeypatch.setattr(batch_module, "_HOLE_SHARE", 0.0)
+    stats = DecodeStats()
+    ours = lookup_batch(tiny_llama, ids, mask, 60, stats, eos_token_id=None)
+    P = ids.shape[1]
+    for b in range(len(prompts)):
+        assert_same_or_near_tie(ours[b, P:].tolist(), theirs[b, P:].tolist(), logits[b])
+    assert len(calls) > 3, "guard: ragged acceptance left holes to compact"
+
+
+def test_holes_stay_bounded_with_default_thresholds(tiny_llama):
+    prompts = mixed_prompts(4, seed=11)
+    ids, mask = left_pad(prompts)
+    out = tiny_llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=150, pad_token_id=0,
+                              eos_token_id=None, custom_generate=lookup_decode.generate, min_match=1,
+                              return_dict_in_generate=True)
+    valid = int(mask.sum(1).max()) + 150 - 1           # the most tokens a row can have in the cache
+    columns = out.cache.get_seq_length()
+    assert columns <= max(valid + batch_module._MIN_HOLES, valid / (1 - batch_module._HOLE_SHARE)) + 1
+
+
+def test_repetition_penalty_per_row(tiny_llama):
+    prompts = mixed_prompts(4, seed=5)
+    ids, mask = left_pad(prompts)
+    kw = dict(eos_token_id=None, repetition_penalty=1.3, no_repeat_ngram_size=4)
+    theirs, logits = plain_batch(tiny_llama, ids, mask, 30, **kw)
+    stats = DecodeStats()
+    ours = lookup_batch(tiny_llama, ids, mask, 30, stats, **kw)
+    P = ids.shape[1]
+    for b in range(len(prompts)):
+        assert_same_or_near_tie(ours[b, P:].tolist(), theirs[b, P:].tolist(), logits[b])
+    assert stats.drafted > 0
+
+
+@pytest.mark.real_model
+def test_real_model_batch_equals_plain_batched_generate(real_model):
+    model, tok = real_model
+    texts = ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
+             "Rewrite with snake_case names:\ndef addNumbers(firstValue, secondValue):\n    totalSum = firstValue + "
+             "secondValue\n    return totalSum\n",
+             "What is 2 + 2?",
+             "List the colours in this sentence: red apples, green pears, yellow bananas and purple plums."]
+    prompts = [chat_ids(tok, t)[0] for t in texts]
+    ids, mask = left_pad(prompts, pad=tok.pad_token_id)
+    kw = dict(do_sample=False, max_new_tokens=48, pad_token_id=tok.pad_token_id)
+    ref = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True, **kw)
+    logits = torch.stack(ref.logits, 1)
+    stats = DecodeStats()
+    ours = model.generate(ids, attention_mask=mask, custom_generate=lookup_decode.generate, stats=stats, **kw)
+    P = ids.shape[1]
+    assert ours.shape == ref.sequences.shape
+    for b in range(len(texts)):
+        assert_same_or_near_tie(ours[b, P:].tolist(), ref.sequences[b, P:].tolist(), logits[b])
+    assert stats.accepted > 0
+
+
+# ---------------------------------------------------------------- sampling: each row its own stream
+
+def _batched_sample_counts(model, gen_kwargs, stats):
+    """N samples of the first L tokens, 8 rows per call; every row is PROMPT after 2 left pads."""
+    ids = torch.cat([torch.zeros(8, 2, dtype=torch.long), ts.PROMPT.expand(8, -1)], 1)
+    mask = (torch.arange(ids.shape[1]) >= 2).long().expand(8, -1)
+    generator = torch.Generator().manual_seed(3)
+    counts = np.zeros(ts.V ** ts.L, dtype=np.int64)
+    for _ in range(ts.N // 8):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=ts.L, do_sample=True, pad_token_id=0,
+                             custom_generate=lookup_decode.generate, k=4, min_match=1, adaptive=False, stats=stats,
+                             generator=generator, **gen_kwargs)[:, ids.shape[1]:]
+        for row in out.tolist():
+            counts[np.ravel_multi_index(row, [ts.V] * ts.L)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("name", ["temperature_0.6_top_k_3", "no_processors"])
+def test_batched_sampling_rows_follow_the_exact_distribution(model, name):
+    target = ts.exact_joint(model, **ts.CONFIGS[name])
+    stats = DecodeStats()
+    counts = _batched_sample_counts(model, ts.CONFIGS[name], stats)
+    assert ts.chi_square_pvalue(counts, target) > ts.ALPHA
+    assert 0 < stats.accepted < stats.drafted, "guard: drafts were both kept and rejected"
+
+
+def test_batched_sampling_negative_control_is_rejected(model, monkeypatch):
+    target = ts.exact_joint(model, **ts.CONFIGS["temperature_1"])
+    monkeypatch.setattr(decode_module, "accept_row_by_row", ts._keep_every_draft)
+    counts = _batched_sample_counts(model, ts.CONFIGS["temperature_1"], DecodeStats())
+    assert ts.chi_square_pvalue(counts, target) < ts.ALPHA
+
+
+# ---------------------------------------------------------------- the width policy and bad input
+
+def test_width_policy_drafts_less_as_the_batch_grows():
+    # Synthetic cost: flat up to 16 tokens, then linear (a device saturates): same evidence per row.
+    cost = CostCurve([1, 16, 1024], [1.0, 1.0, 64.0], 1024)
+    full = np.arange(32, dtype=np.int32)
+    widths = [choose_width([DraftPolicy(32) for _ in range(rows)], [full] * rows, [8] * rows, cost, 32)
+              for rows in (1, 4, 16)]
+    assert widths[0] > widths[1] > widths[2] >= 1
+
+
+def test_width_policy_never_drafts_when_nothing_was_proposed():
+    cost = CostCurve([1, 64], [1.0, 1.0], 64)
+    empty = np.zeros(0, dtype=np.int32)
+    assert choose_width([DraftPolicy(8)] * 3, [empty] * 3, [0] * 3, cost, 8) == 1
+
+
+def test_bad_batches_get_clear_errors(tiny_llama):
+    ids, mask = left_pad(mixed_prompts(3))
+    run = dict(max_new_tokens=4, pad_token_id=0, custom_generate=lookup_decode.generate)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        tiny_llama.generate(ids, attention_mask=mask[:, 1:], **run)
+    right = torch.flip(mask, [1])
+    with pytest.raises(ValueError, match="left padding"):
+        tiny_llama.generate(torch.flip(ids, [1]), attention_mask=right, **run)
+    with pytest.raises(ValueError, match="only 0"):
+        tiny_llama.generate(ids, attention_mask=mask * 2, **run)
+    with pytest.raises(ValueError, match="one proposer per row"):
+        tiny_llama.generate(ids, attention_mask=mask, proposer=lookup_decode.SuffixIndex(), **run)
+    with pytest.raises(ValueError, match="GiB of KV cache"):
+        check_batch_memory(tiny_llama, 64, 1000, 32, available_bytes=1 << 20)
