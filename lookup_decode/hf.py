@@ -136,7 +136,8 @@ def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         do_sample=bool(generation_config.do_sample), generator=generator, stats=stats, adaptive=options.adaptive)
     if not generation_config.return_dict_in_generate:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, cache=cache)
+    # No cache: its columns hold holes and finished rows left it, so generate could not continue from it.
+    return GenerateDecoderOnlyOutput(sequences=sequences)
 
 
 def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,

@@ -117,15 +117,40 @@ def test_compaction_every_step_changes_nothing_and_bounds_the_cache(monkeypatch,
     assert len(calls) > 3, "guard: ragged acceptance left holes to compact"
 
 
-def test_holes_stay_bounded_with_default_thresholds(tiny_llama):
+def _record_forwards(monkeypatch):
+    """(rows, cache columns before the step) of every batched forward."""
+    seen = []
+    real_call = batch_module.BatchForward.__call__
+
+    def recording(self, ids, mask, positions, n_logits):
+        seen.append((ids.shape[0], mask.shape[1] - ids.shape[1]))
+        return real_call(self, ids, mask, positions, n_logits)
+
+    monkeypatch.setattr(batch_module.BatchForward, "__call__", recording)
+    return seen
+
+
+def test_holes_stay_bounded_with_default_thresholds(monkeypatch, tiny_llama):
+    seen = _record_forwards(monkeypatch)
     prompts = mixed_prompts(4, seed=11)
     ids, mask = left_pad(prompts)
-    out = tiny_llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=150, pad_token_id=0,
-                              eos_token_id=None, custom_generate=lookup_decode.generate, min_match=1,
-                              return_dict_in_generate=True)
-    valid = int(mask.sum(1).max()) + 150 - 1           # the most tokens a row can have in the cache
-    columns = out.cache.get_seq_length()
-    assert columns <= max(valid + batch_module._MIN_HOLES, valid / (1 - batch_module._HOLE_SHARE)) + 1
+    stats = DecodeStats()
+    lookup_batch(tiny_llama, ids, mask, 150, stats, eos_token_id=None)
+    valid = ids.shape[1] + 150                       # the most columns a row can fill
+    bound = max(valid + batch_module._MIN_HOLES, valid / (1 - batch_module._HOLE_SHARE)) + 33
+    assert max(columns for _, columns in seen) <= bound
+    assert stats.accepted > 0
+
+
+def test_finished_rows_leave_the_batch(monkeypatch, tiny_llama):
+    prompts = mixed_prompts(5, seed=7)
+    ids, mask = left_pad(prompts)
+    free, _ = plain_batch(tiny_llama, ids, mask, 40, eos_token_id=None)
+    eos = int(free[0, ids.shape[1] + 5])
+    seen = _record_forwards(monkeypatch)
+    out = lookup_batch(tiny_llama, ids, mask, 40, DecodeStats(), eos_token_id=eos)
+    assert (out[:, -1] == 0).any(), "guard: a row stopped early"
+    assert seen[0][0] == 5 and min(rows for rows, _ in seen) < 5
 
 
 def test_repetition_penalty_per_row(tiny_llama):
