@@ -6,7 +6,8 @@ function ... Update any existing `self.m` calls". In Aider's whole-file edit for
 re-emits the file with that one change, so doing the move with `ast` gives a faithful stand-in for a
 large model's output to replay (the scaling study uses it for contexts the default model cannot hold).
 
-The move: the method's lines (decorators included) leave the class, are dedented to top level,
+The move: the method's lines (decorators included) leave the class, are dedented to top level
+(lines less indented than the method, inside multi-line strings, stay as they are),
 lose `self` as first parameter (and a @staticmethod/@classmethod decorator), and are inserted two
 blank lines after the class; every `self.m(` in the file becomes `m(`.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import re
-import textwrap
 
 _TASK = re.compile(r"Refactor the `(?P<method>\w+)` method in the `(?P<cls>\w+)` class")
 
@@ -44,7 +44,10 @@ def move_method_to_top_level(source: str, class_name: str, method_name: str) -> 
     lines = source.splitlines(keepends=True)
     first = min([fn.lineno] + [d.lineno for d in fn.decorator_list]) - 1   # 0-based, decorators included
     last = fn.end_lineno                                                     # exclusive
-    method = textwrap.dedent("".join(lines[first:last]))
+    # Dedent by the method's own indentation (not textwrap.dedent: a multi-line string at column 0
+    # inside the method would make its common indentation empty).
+    pad = " " * fn.col_offset
+    method = "".join(line[len(pad):] if line.startswith(pad) else line for line in lines[first:last])
     method = re.sub(r"^@(staticmethod|classmethod)\s*\n", "", method, flags=re.M)
     method = re.sub(rf"(def {method_name}\()\s*(self|cls)\s*(,\s*|\))",
                     lambda m: m[1] + ("" if m[3].startswith(",") else ")"), method, count=1)

@@ -249,8 +249,9 @@ def _readme_table(agg: dict, variant: str, vs_pld: bool) -> list[str]:
     return lines
 
 
-def readme_block(result: dict, variant: str = README_VARIANT) -> str:
-    """The README's results section (between README_START and README_END), generated from a results.json."""
+def readme_block(result: dict, variant: str = README_VARIANT,
+                 source: str = "benchmarks/results/generate/results.json") -> str:
+    """The README's results section (between README_START and README_END), generated from `source`'s result."""
     env, settings, agg = result["environment"], result["settings"], result["aggregate"]
     vs_pld = PROMPT_LOOKUP in settings["variants"]
     every = agg["all_prompts"]["all"]
@@ -268,8 +269,8 @@ def readme_block(result: dict, variant: str = README_VARIANT) -> str:
              f"[quartiles] (range). Outputs token-identical to plain `generate`: {every[variant].get('identical', 0)}"
              f"/{every['n']}. Full tables, totals, plots and the environment: `benchmarks/results/generate/`.")
     lines = [README_START,
-             "<!-- generated from benchmarks/results/generate/results.json by `python -m benchmarks.report "
-             "benchmarks/results/generate/results.json --readme README.md`; edit that, not this -->",
+             f"<!-- generated from {source} by `python -m benchmarks.report {source} --readme README.md`; "
+             "do not edit by hand -->",
              textwrap.fill(intro, width=115, break_on_hyphens=False, break_long_words=False), "",
              "```bash", env["command"], "```", "",
              "Without loop-dominated outputs (the 135M model loops on some inputs; loops are trivially drafted and "
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
                                     result["settings"]["loop_threshold"])
     write(result, path.parent)
     if args.readme:
-        update_readme(Path(args.readme), readme_block(result))
+        update_readme(Path(args.readme), readme_block(result, source=args.results))
         print(f"rewrote the results section of {args.readme}", file=sys.stderr)
     print(markdown(result))
     return 0
