@@ -87,7 +87,7 @@ def test_every_aider_task_gives_valid_python_with_the_function_moved():
     path = workloads.data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"
     if not path.exists():
         pytest.skip("shared data not available")
-    rows = [r for r in workloads._jsonl(path) if len(r["before_code"]) < 200_000]
+    rows = [r for r in workloads._jsonl(path) if len(r["before_code"]) < 100_000]
     assert len(rows) > 80
     for row in rows:
         cls, method = parse_task(row["instruction"])
