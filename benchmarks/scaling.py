@@ -237,6 +237,40 @@ def part_output(args, model, tokenizer, cost, eos) -> dict:
             "projected": rows, "projected_summary": summarize_by_length(rows, "set")}
 
 
+# ------------------------------------------------------------------------ measured vs projected
+
+def measured_points(path: str, tokenizer, cost: CostGrid, eos, categories=None) -> list[dict]:
+    """Per prompt of a bench_generate run: measured speed-ups beside the projection for the *same* output.
+
+    speedup: tokens/s ratio of the whole request (prefill included), as measured. decode_speedup: the
+    same with lookup_decode's measured prefill time taken off both (plain prefills the same prompt).
+    projected_same_output: the model's own greedy output replayed through lookup_decode and priced with
+    `cost` (decode only) — where it agrees with decode_speedup, the projections elsewhere are credible.
+    """
+    result = json.loads(Path(path).read_text())
+    requests, out = {}, []
+    for r in result["prompts"]:
+        v = r["variants"]
+        if "lookup_decode" not in v or (categories and r["category"] not in categories):
+            continue
+        if r["category"] not in requests:
+            requests[r["category"]] = {q.id: q for q in workloads.load(r["category"])}
+        req = requests[r["category"]].get(r["id"])
+        output = np.asarray(r["plain_tokens"], dtype=np.int32)
+        proj = None
+        if req is not None and len(output):
+            prompt = chat_ids(tokenizer, req.messages)[0].numpy().astype(np.int32)
+            proj = projected("lookup_decode", prompt, output, cost, eos)["speedup"]
+        f = (v["lookup_decode"].get("stats") or {}).get("prefill_s", 0.0)
+        (n_p, s_p), (n_l, s_l) = ((v[n]["new_tokens"], v[n]["seconds"]) for n in ("plain", "lookup_decode"))
+        decode = (n_l / (s_l - f)) / (n_p / (s_p - f)) if min(s_l, s_p) > f else None
+        out.append({"category": r["category"], "id": r["id"], "context_tokens": r["prompt_tokens"],
+                    "new_tokens": n_l, "loop_score": r["loop_score"], "copy_share": r.get("copy_share"),
+                    "speedup": r["speedup_vs_plain"]["lookup_decode"], "decode_speedup": decode,
+                    "projected_same_output": proj})
+    return out
+
+
 # ----------------------------------------------------------------------------- (b) context length
 
 def aider_rows() -> list[dict]:
@@ -284,14 +318,8 @@ def part_context(args, tokenizer, cost, eos) -> dict:
         for name in PROPOSERS:
             row = projected(name, case["prompt"], case["output"], cost, eos)
             rows.append({"target": case["target"], "context_tokens": case["context_tokens"], "proposer": name, **row})
-    measured = []
-    if args.generate_results:
-        result = json.loads(Path(args.generate_results).read_text())
-        measured = [{"id": r["id"], "context_tokens": r["prompt_tokens"], "loop_score": r["loop_score"],
-                     "speedup": r["speedup_vs_plain"]["lookup_decode"],
-                     "new_tokens": r["variants"]["lookup_decode"]["new_tokens"]}
-                    for r in result["prompts"] if r["category"] == "aider_refactor"
-                    and "lookup_decode" in r.get("speedup_vs_plain", {})]
+    measured = (measured_points(args.generate_results, tokenizer, cost, eos, ["aider_refactor"])
+                if args.generate_results else [])
     grid = {"contexts": cost.contexts.tolist(), "cost_1_ms": [1e3 * cost(c, 1) for c in cost.contexts],
             "cost_16_over_1": [cost(c, 16) / cost(c, 1) for c in cost.contexts],
             "cost_33_over_1": [cost(c, K + 1) / cost(c, 1) for c in cost.contexts]}
@@ -319,12 +347,8 @@ def part_copy(args, tokenizer, cost, eos) -> dict:
             row = projected("lookup_decode", prompt, output, cost, eos)
             real.append({"set": name, "copy_share": copy_share(prompt, output), **row})
     edges = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
-    measured = []
-    if args.generate_results:
-        result = json.loads(Path(args.generate_results).read_text())
-        measured = [{"category": r["category"], "copy_share": r["copy_share"], "loop_score": r["loop_score"],
-                     "speedup": r["speedup_vs_plain"]["lookup_decode"]}
-                    for r in result["prompts"] if "copy_share" in r and "lookup_decode" in r.get("speedup_vs_plain", {})]
+    measured = [m for m in (measured_points(args.generate_results, tokenizer, cost, eos)
+                            if args.generate_results else []) if m["copy_share"] is not None]
     clean = [m for m in measured if m["loop_score"] <= LOOP_THRESHOLD]
     return {"controlled": controlled, "real": real, "measured": measured,
             "real_buckets": bucket_medians([r["copy_share"] for r in real], [r["speedup"] for r in real], edges),
@@ -343,6 +367,22 @@ def _length_table(summary: dict, title: str) -> list[str]:
              "|---|" + "---:|" * len(LENGTHS)]
     for group, by_l in summary.items():
         lines.append(f"| {group} | " + " | ".join(_cell(by_l[str(L)]) for L in LENGTHS) + " |")
+    return lines + [""]
+
+
+def _measured_table(measured: list[dict]) -> list[str]:
+    def x(v):
+        return "–" if v is None else f"x{v:.2f}"
+    lines = ["Speed-up: measured tokens/s ratio of the whole request; decode only: the same without the prefill "
+             "(lookup_decode's measured prefill time taken off both); projected: this output replayed, priced with "
+             "the cost grid (decode only).", "",
+             "| category | id | context tokens | new tokens | loop score | copy share | speed-up | decode only | "
+             "projected, same output |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in measured:
+        share = "–" if m["copy_share"] is None else f"{m['copy_share']:.2f}"
+        lines.append(f"| {m['category']} | {m['id']} | {m['context_tokens']} | {m['new_tokens']} | "
+                     f"{m['loop_score']:.2f} | {share} | {x(m['speedup'])} | {x(m['decode_speedup'])} | "
+                     f"{x(m['projected_same_output'])} |")
     return lines + [""]
 
 
@@ -386,10 +426,8 @@ def markdown(part: str, result: dict, header: list[str]) -> str:
                       "| real prefill | " + " | ".join(f"{1e3 * x:.0f}" for x in check["real_prefill"]) + " |",
                       "| synthetic | " + " | ".join(f"{1e3 * x:.0f}" for x in check["synthetic"]) + " |", ""]
         if result["measured"]:
-            lines += ["Measured end to end (bench_generate, aider_refactor):", "",
-                      "| id | context tokens | new tokens | loop score | speed-up |", "|---|---:|---:|---:|---:|"]
-            lines += [f"| {m['id']} | {m['context_tokens']} | {m['new_tokens']} | {m['loop_score']:.2f} | "
-                      f"x{m['speedup']:.2f} |" for m in result["measured"]]
+            lines += ["Measured end to end (bench_generate, aider_refactor: the default model's own output), beside "
+                      "the projection for that same output:", ""] + _measured_table(result["measured"])
     else:
         lines += ["# Speed-up vs share of copied text", "",
                   "Copy share: share of output tokens covered by an 8-token sequence found in the prompt.", "",
@@ -409,9 +447,11 @@ def markdown(part: str, result: dict, header: list[str]) -> str:
         lines += [f"| {b['lo']:.1f}–{b['hi']:.1f} | {b['n']} | {_cell(b)} |" for b in result["real_buckets"]]
         if result["measured"]:
             lines += ["", "### Measured end to end (bench_generate prompts, without loop-dominated ones)", "",
-                      "| copy share of the model's output | prompts | speed-up |", "|---|---:|---:|"]
+                      "| copy share of the model's output | prompts | speed-up (whole request) |", "|---|---:|---:|"]
             lines += [f"| {b['lo']:.1f}–{b['hi']:.1f} | {b['n']} | {_cell(b)} |"
                       for b in result["measured_buckets_without_loops"]]
+            lines += ["", "### Check of the projection: every measured prompt beside the projection for its own "
+                      "output", ""] + _measured_table(result["measured"])
     return "\n".join(lines) + "\n"
 
 
@@ -450,9 +490,13 @@ def plot(part: str, result: dict, path: Path) -> None:
             axes[0].plot([np.median([r["context_tokens"] for r in rs]) for rs in steps],
                          [np.median([r["speedup"] for r in rs]) for rs in steps], "-", color=f"C{j}",
                          label=f"{name} (projected, median over tasks)")
-        if result["measured"]:
-            axes[0].scatter([m["context_tokens"] for m in result["measured"]], [m["speedup"] for m in result["measured"]],
-                            marker="x", color="k", label="lookup_decode, measured end to end (model's own output)")
+        measured = [m for m in result["measured"] if m["decode_speedup"] is not None]
+        if measured:
+            ctx = [m["context_tokens"] for m in measured]
+            axes[0].scatter(ctx, [m["decode_speedup"] for m in measured], marker="x", color="k",
+                            label="measured end to end, decode only (model's own output)")
+            axes[0].scatter(ctx, [m["projected_same_output"] for m in measured], marker="+", s=60, color="gray",
+                            label="projected for that same output")
         axes[0].set_xscale("log", base=2)
         axes[0].set_xlabel("context tokens")
         axes[0].set_ylabel("speed-up vs plain greedy")
@@ -481,10 +525,10 @@ def plot(part: str, result: dict, path: Path) -> None:
             mine = [r for r in result["real"] if r["set"] == s]
             axes[1].scatter([r["copy_share"] for r in mine], [r["speedup"] for r in mine], s=10, color=f"C{j}",
                             alpha=0.6, label=f"{s} (projected)")
-        clean = [m for m in result["measured"] if m["loop_score"] <= LOOP_THRESHOLD]
+        clean = [m for m in result["measured"] if m["loop_score"] <= LOOP_THRESHOLD and m["decode_speedup"]]
         if clean:
-            axes[1].scatter([m["copy_share"] for m in clean], [m["speedup"] for m in clean], marker="x", color="k",
-                            label="measured end to end (model's own output)")
+            axes[1].scatter([m["copy_share"] for m in clean], [m["decode_speedup"] for m in clean], marker="x",
+                            color="k", label="measured end to end, decode only (default model's own output)")
         axes[1].set_xlabel("copy share of the output")
         axes[1].set_title("real outputs: projected (large models) and measured (default model)", fontsize=10)
     for ax in axes:
