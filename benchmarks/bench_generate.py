@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=4096, help="skip longer prompts (default 4096)")
     ap.add_argument("--long-prompt-tokens", type=int, default=LONG_PROMPT_TOKENS,
                     help=f"prompt cap of the long-context workloads (aider_refactor; default {LONG_PROMPT_TOKENS}: "
-                    "the default model's context is 8,192 tokens, and shorter prompts keep the prefill of a CPU run short; "
-                    "longer contexts: benchmarks/scaling.py)")
+                    "the default model's context is 8,192 tokens, and shorter prompts keep a CPU run's prefill "
+                    "short; longer contexts: benchmarks/scaling.py)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and variant (median; default 1)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                     help="plain always runs (the reference)")

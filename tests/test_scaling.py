@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a
 
 from benchmarks import bench_generate, report, workloads  # noqa: E402
 from benchmarks.aider_after import move_method_to_top_level, parse_task  # noqa: E402
-from benchmarks.cost_grid import CostGrid, plain_times, step_times, synthetic_cache, time_forwards, time_to  # noqa: E402
+from benchmarks.cost_grid import (CostGrid, plain_times, step_times, synthetic_cache,  # noqa: E402
+                                  time_forwards, time_to)
 from benchmarks.scaling import (PROPOSERS, Timeline, bucket_medians, controlled_copy_output,  # noqa: E402
                                 projected)
 from conftest import repetitive_prompt  # noqa: E402
@@ -207,7 +208,8 @@ class FakeTokenizer:
 def test_long_workloads_have_their_own_prompt_cap(monkeypatch):
     sizes = {"qa": [5000, 100], "aider_refactor": [9000, 5000, 1200]}
     monkeypatch.setattr(workloads, "load", lambda name: [
-        workloads.Request(name, f"{name}/{i}", [{"role": "user", "content": "x" * n}]) for i, n in enumerate(sizes[name])])
+        workloads.Request(name, f"{name}/{i}", [{"role": "user", "content": "x" * n}])
+        for i, n in enumerate(sizes[name])])
     chosen, skipped = bench_generate.select_prompts(["qa", "aider_refactor"], FakeTokenizer(), n=5,
                                                     max_prompt_tokens=4096, context=8192, max_new_tokens=128,
                                                     seed=0, long_prompt_tokens=6144)
