@@ -96,6 +96,11 @@ def markdown(result: dict) -> str:
         f"Up to {settings['max_new_tokens']} new tokens, greedy; {settings['repeats']} timed repeat(s) per prompt and "
         f"variant (median), interleaved per prompt after an untimed warm-up; loop-dominated = loop score > "
         f"{settings['loop_threshold']} (share of the plain output covered by an 8-gram repeated from earlier in it).  ",
+        f"Prompts of up to {settings.get('max_prompt_tokens', '?')} tokens"
+        + (f"; long-context aider_refactor prompts of up to {settings['long_prompt_tokens']} tokens (the model's "
+           "context bounds them; longer contexts: benchmarks/results/scaling/)"
+           if settings.get("long_prompt_tokens") and "aider_refactor" in settings.get("workloads", []) else "")
+        + ".  ",
         "Variants: " + "; ".join(f"`{d}`" for d in settings["variant_descriptions"]), "",
         "Speed-up cells: median [quartiles] (min–max) of per-prompt tokens/s ratios. "
         "Total: ratio of total throughput (all tokens / all seconds).", ""]
