@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from benchmarks import report, workloads
 from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, accepted_histogram, chat_ids,
-                                 environment, first_mismatch, interleaved_order, loop_score, measure_forward_cost,
-                                 run_variant, speedup)
+                                 copy_share, environment, first_mismatch, interleaved_order, loop_score,
+                                 measure_forward_cost, run_variant, speedup)
 from lookup_decode.stats import DecodeStats
 
 VARIANTS = {
@@ -42,13 +42,17 @@ DEFAULT_VARIANTS = ["plain", "prompt_lookup", "lookup_decode", "lookup_decode_fi
 CATEGORIES = ["code_edit", "editeval", "summarization", "rag", "qa", "translation", "math_reasoning", "mt_bench",
               "clapnq", "mt_redundant", "humaneval", "qmsum"]
 LONG = ["aider_refactor"]
+LONG_PROMPT_TOKENS = 6144
 COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 40, 48, 56, 65]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def select_prompts(names: list[str], tokenizer, n: int, max_prompt_tokens: int, context: int | None,
-                   max_new_tokens: int, seed: int):
-    """Per workload, up to n requests in a seeded random order whose prompt fits; and skip counts."""
+                   max_new_tokens: int, seed: int, long_prompt_tokens: int | None = None):
+    """Per workload, up to n requests in a seeded random order whose prompt fits; and skip counts.
+
+    Prompts of the long-context workloads (LONG) may have up to long_prompt_tokens (default: max_prompt_tokens).
+    """
     chosen, skipped = [], {}
     for name in names:
         reqs = workloads.load(name)
@@ -58,7 +62,8 @@ def select_prompts(names: list[str], tokenizer, n: int, max_prompt_tokens: int, 
             if taken == n:
                 break
             ids = chat_ids(tokenizer, req.messages)
-            too_long = ids.shape[1] > max_prompt_tokens or (context and ids.shape[1] + max_new_tokens > context)
+            cap = long_prompt_tokens if name in LONG and long_prompt_tokens else max_prompt_tokens
+            too_long = ids.shape[1] > cap or (context and ids.shape[1] + max_new_tokens > context)
             if too_long:
                 skipped[name] += 1
                 continue
@@ -71,7 +76,8 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) 
     """Everything measured for one prompt: per variant median time, tokens/s, identity, stats."""
     plain = runs["plain"][0]
     rec = {"category": req.category, "id": req.id, "prompt_tokens": int(ids.shape[1]),
-           "loop_score": loop_score(plain.tokens), "plain_tokens": plain.tokens,
+           "loop_score": loop_score(plain.tokens), "copy_share": copy_share(ids[0].tolist(), plain.tokens),
+           "plain_tokens": plain.tokens,
            "plain_text": tokenizer.decode(plain.tokens, skip_special_tokens=True), "variants": {}}
     for name in names:
         rs = runs[name]
@@ -101,13 +107,16 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    ap.add_argument("--workloads", nargs="+", default=CATEGORIES, choices=list(workloads.WORKLOADS),
-                    help="default: all categories except the long aider_refactor")
-    ap.add_argument("--include-long", action="store_true", help="add aider_refactor (long prompts; "
-                    "raise --max-prompt-tokens to ~7900 to keep many)")
+    ap.add_argument("--workloads", nargs="+", default=CATEGORIES + LONG, choices=list(workloads.WORKLOADS),
+                    help="default: every category, the long-context aider_refactor included")
+    ap.add_argument("--include-long", action="store_true", help="add aider_refactor to --workloads")
     ap.add_argument("--n-per-workload", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=4096, help="skip longer prompts (default 4096)")
+    ap.add_argument("--long-prompt-tokens", type=int, default=LONG_PROMPT_TOKENS,
+                    help=f"prompt cap of the long-context workloads (aider_refactor; default {LONG_PROMPT_TOKENS}: "
+                    "the default model's context is 8,192 tokens, and shorter prompts keep a CPU run's prefill "
+                    "short; longer contexts: benchmarks/scaling.py)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and variant (median; default 1)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                     help="plain always runs (the reference)")
@@ -131,7 +140,7 @@ def main(argv=None) -> int:
     print(f"model loaded in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     context = getattr(model.config, "max_position_embeddings", None)
     chosen, skipped = select_prompts(names_workloads, tokenizer, args.n_per_workload, args.max_prompt_tokens,
-                                     context, args.max_new_tokens, args.seed)
+                                     context, args.max_new_tokens, args.seed, args.long_prompt_tokens)
     if not chosen:
         raise SystemExit("no prompt fits --max-prompt-tokens")
     chosen = [(req, ids.to(device)) for req, ids in chosen]
@@ -146,6 +155,7 @@ def main(argv=None) -> int:
 
     result = {"environment": environment(model, device, args.threads, args.model),
               "settings": {"max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+                           "long_prompt_tokens": args.long_prompt_tokens,
                            "n_per_workload": args.n_per_workload, "repeats": args.repeats, "seed": args.seed,
                            "workloads": names_workloads, "variants": names, "loop_threshold": args.loop_threshold,
                            "variant_descriptions": [v.describe() for v in variants]},

@@ -1,6 +1,7 @@
 """Aggregate, tabulate and plot end-to-end results (bench_generate.py); also re-renders a saved results.json.
 
     python -m benchmarks.report benchmarks/results/generate/results.json   # rewrite results.md and plots
+    python -m benchmarks.report benchmarks/results/generate/results.json --readme README.md   # and README's table
 
 Per category (and over all prompts), each statistic is computed twice: over all prompts and
 without loop-dominated ones (the plain output's loop score > threshold: a repetition loop is easy
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -94,6 +96,11 @@ def markdown(result: dict) -> str:
         f"Up to {settings['max_new_tokens']} new tokens, greedy; {settings['repeats']} timed repeat(s) per prompt and "
         f"variant (median), interleaved per prompt after an untimed warm-up; loop-dominated = loop score > "
         f"{settings['loop_threshold']} (share of the plain output covered by an 8-gram repeated from earlier in it).  ",
+        f"Prompts of up to {settings.get('max_prompt_tokens', '?')} tokens"
+        + (f"; long-context aider_refactor prompts of up to {settings['long_prompt_tokens']} tokens (the model's "
+           "context bounds them; longer contexts: benchmarks/results/scaling/)"
+           if settings.get("long_prompt_tokens") and "aider_refactor" in settings.get("workloads", []) else "")
+        + ".  ",
         "Variants: " + "; ".join(f"`{d}`" for d in settings["variant_descriptions"]), "",
         "Speed-up cells: median [quartiles] (min–max) of per-prompt tokens/s ratios. "
         "Total: ratio of total throughput (all tokens / all seconds).", ""]
@@ -227,6 +234,67 @@ def plots(result: dict, out: Path) -> list[Path]:
     return written
 
 
+# ------------------------------------------------------------------------------------- README block
+
+README_START = "<!-- results:generate -->"
+README_END = "<!-- /results:generate -->"
+README_VARIANT = "lookup_decode"
+
+
+def _readme_table(agg: dict, variant: str, vs_pld: bool) -> list[str]:
+    head = ["category", "n", "vs plain"] + (["vs prompt_lookup"] if vs_pld else []) + ["identical", "mean acc. len"]
+    lines = ["| " + " | ".join(head) + " |", "| --- | ---: |" + " ---: |" * (len(head) - 2)]
+    for c, group in agg.items():
+        a = group[variant]
+        cells = [c, str(group["n"]), _x(a.get("speedup_vs_plain"))]
+        if vs_pld:
+            cells.append(_x(a.get("speedup_vs_prompt_lookup")))
+        cells += [f"{a.get('identical', 0)}/{group['n']}", _f(a.get("mean_accepted_length"), "{:.2f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def readme_block(result: dict, variant: str = README_VARIANT,
+                 source: str = "benchmarks/results/generate/results.json") -> str:
+    """The README's results section (between README_START and README_END), generated from `source`'s result."""
+    env, settings, agg = result["environment"], result["settings"], result["aggregate"]
+    vs_pld = PROMPT_LOOKUP in settings["variants"]
+    every = agg["all_prompts"]["all"]
+    long_cap = settings.get("long_prompt_tokens")
+    long_note = (f"; aider_refactor prompts of up to {long_cap} tokens"
+                 if long_cap and "aider_refactor" in settings["workloads"] else "")
+    device = env.get("gpu") if env["device"].startswith("cuda") and env.get("gpu") else \
+        f"{env.get('cpu_count') or '?'}-core {env['cpu']}"
+    intro = (f"All numbers below come from `benchmarks/` on the reference machine ({device}, torch {env['torch']}, "
+             f"`torch.set_num_threads({env['torch_threads']})`, {env.get('model')} in {env.get('dtype')}, greedy, "
+             f"≤ {settings['max_new_tokens']} new tokens, {settings['n_per_workload']} prompts per category drawn "
+             f"from `../shared/data`{long_note}), run side by side in one process: "
+             + ", ".join(f"`{d}`" for d in settings["variant_descriptions"])
+             + ", interleaved per prompt after a warm-up. Speed-ups are medians of per-prompt tokens/s ratios "
+             f"[quartiles] (range). Outputs token-identical to plain `generate`: {every[variant].get('identical', 0)}"
+             f"/{every['n']}. Full tables, totals, plots and the environment: `benchmarks/results/generate/`.")
+    lines = [README_START,
+             f"<!-- generated from {source} by `python -m benchmarks.report {source} --readme README.md`; "
+             "do not edit by hand -->",
+             textwrap.fill(intro, width=115, break_on_hyphens=False, break_long_words=False), "",
+             "```bash", env["command"], "```", "",
+             "Without loop-dominated outputs (the 135M model loops on some inputs; loops are trivially drafted and "
+             "carry no claim):", ""]
+    lines += _readme_table(agg["without_loops"], variant, vs_pld)
+    lines += ["", "With every prompt:", ""]
+    lines += _readme_table(agg["all_prompts"], variant, vs_pld)
+    return "\n".join(lines + [README_END])
+
+
+def update_readme(readme: Path, block: str) -> None:
+    """Replace the text between README_START and README_END (markers included) with `block`."""
+    text = readme.read_text(encoding="utf-8")
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"{readme}: no {README_START} ... {README_END} section to replace")
+    readme.write_text(text[:start] + block + text[end + len(README_END):], encoding="utf-8")
+
+
 def write(result: dict, out: Path, with_plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
@@ -237,14 +305,19 @@ def write(result: dict, out: Path, with_plots: bool = True) -> None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m benchmarks.report RESULTS_JSON")
-    path = Path(argv[0])
+    import argparse
+    ap = argparse.ArgumentParser(description="Re-render results.md and plots from a bench_generate results.json")
+    ap.add_argument("results", help="results.json of benchmarks.bench_generate")
+    ap.add_argument("--readme", default=None, help="also rewrite this README's generated results section")
+    args = ap.parse_args(argv)
+    path = Path(args.results)
     result = json.loads(path.read_text())
     result["aggregate"] = aggregate(result["prompts"], result["settings"]["variants"],
                                     result["settings"]["loop_threshold"])
     write(result, path.parent)
+    if args.readme:
+        update_readme(Path(args.readme), readme_block(result, source=args.results))
+        print(f"rewrote the results section of {args.readme}", file=sys.stderr)
     print(markdown(result))
     return 0
 

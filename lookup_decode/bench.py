@@ -205,6 +205,24 @@ def loop_score(tokens, n: int = 8) -> float:
     return float(covered.mean())
 
 
+def copy_share(prompt, output, n: int = 8) -> float:
+    """Share of the output's tokens covered by an n-gram that also occurs in the prompt.
+
+    How much of the output copies its input: the quantity lookup decoding lives on. Example (n=2):
+    prompt [1,2,3], output [1,2,9,2,3] -> the 2-grams [1,2] and [2,3] cover positions 0,1,3,4 -> 4/5.
+    """
+    prompt = [int(t) for t in prompt]
+    output = [int(t) for t in output]
+    if len(output) < n or len(prompt) < n or n < 1:
+        return 0.0
+    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    covered = np.zeros(len(output), dtype=bool)
+    for j in range(len(output) - n + 1):
+        if tuple(output[j:j + n]) in grams:
+            covered[j:j + n] = True
+    return float(covered.mean())
+
+
 def spread(values: Iterable[float]) -> dict:
     """n, median, quartiles (linear interpolation) and range; None for all but n when empty."""
     v = np.asarray([float(x) for x in values], dtype=np.float64)
