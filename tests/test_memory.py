@@ -113,6 +113,8 @@ class Fixed:
     ((2, 5, 5), ([1], [2], [3]), 1),            # tie between corpora: memory before references
     ((2, 5, 9), ([1], [2], []), 1),             # an empty draft never wins, however long its match
     ((0, 0, 0), ([], [], []), None),            # nothing to draft
+    ((1, 3, 0), ([1], [2], []), 0),             # while the request drafts, a corpus needs CORPUS_MIN_MATCH tokens
+    ((0, 2, 0), ([], [2], []), 1),              # ... but not when the request has nothing
 ])
 def test_choice_rule(lens, drafts, winner):
     p = SourcesProposer(Fixed(drafts[0], lens[0]), [], min_match=1)
