@@ -156,3 +156,28 @@ def test_real_model_second_request_copies_from_memory(real_model):
     got = model.generate(second, max_new_tokens=40, do_sample=False, custom_generate=lookup_decode.generate,
                          memory=memory)
     assert got.tolist() == ref.tolist()
+
+
+class CharTokenizer:
+    """Stub chat tokenizer for the tiny models: one id per character (mod the vocabulary)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, return_tensors="pt", return_dict=True):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return {"input_ids": torch.tensor([[3 + ord(c) % (VOCAB - 3) for c in text]])}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x100 + int(i)) for i in ids)
+
+
+def test_chat_loop_keeps_one_memory_across_turns(tiny_llama, tmp_path):
+    import io
+
+    from lookup_decode.chat import chat_loop
+    memory = Memory(max_tokens=10_000)
+    lines = ["tell me a story", "tell me a story", "/reset", "tell me a story", "/exit", "never read"]
+    err = io.StringIO()
+    messages = chat_loop(tiny_llama, CharTokenizer(), lines, memory, max_new_tokens=16, out=io.StringIO(), err=err,
+                         pad_token_id=0, eos_token_id=None)
+    assert [m["role"] for m in messages] == ["user", "assistant"]      # /reset started a new conversation
+    assert len(memory) >= 1 and err.getvalue().count("mean accepted length") == 3
+    assert accepted_from(memory) > 0          # the repeated first turn after /reset drafted from memory
