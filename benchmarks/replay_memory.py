@@ -37,7 +37,7 @@ from lookup_decode.sources import SourcesProposer
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_COST = RESULTS / "generate" / "results.json"
+DEFAULT_COST = Path("benchmarks/results/generate/results.json")   # relative: run from the repository root
 
 
 def tokenize(workload, tokenizer):
