@@ -188,8 +188,12 @@ class Corpus:
         """A new corpus of this class from a file written by `save`; CorpusFileError when the file
         is not one (foreign, corrupt, other kind or format version). `overrides` replace saved settings."""
         header, tokens, lengths = _read(path, cls.kind)
-        settings = {**header["settings"], **overrides}
-        obj = cls(**settings)
+        try:
+            obj = cls(**header["settings"])
+        except (TypeError, ValueError) as e:
+            raise CorpusFileError(f"{path}: saved settings {header['settings']} are not valid: {e}") from None
+        if overrides:
+            obj = cls(**{**header["settings"], **overrides})
         pieces = np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []
         with obj._lock:
             for i, key in enumerate(header["keys"]):
@@ -239,6 +243,9 @@ def _read(path, kind: str):
     if not all(isinstance(header.get(k), list) and len(header[k]) == n for k in fields) \
             or not isinstance(header.get("settings"), dict) or not isinstance(header.get("clock"), int):
         raise bad("entry metadata does not match the entries")
+    if not all(isinstance(key, str) for key in header["keys"]) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for k in fields[1:] for v in header[k]):
+        raise bad("entry metadata has the wrong types")
     if len(set(header["keys"])) != n:
         raise bad("duplicate entry keys")
     if hashlib.sha256(tokens.tobytes()).hexdigest() != header.get("sha256"):

@@ -4,6 +4,7 @@ Cursors are checked against a brute-force twin of the occurrence rule; eviction,
 persistence and bad input against their stated rules.
 """
 
+import json
 import threading
 
 import numpy as np
@@ -276,7 +277,6 @@ def test_corrupt_and_foreign_files_give_clear_errors(tmp_path):
     with pytest.raises(CorpusFileError, match="checksum"):
         Memory.load(tampered)
     # a future format version
-    import json
     h = json.loads(header.tobytes().decode())
     h["version"] = 99
     future = tmp_path / "future.npz"
@@ -285,6 +285,28 @@ def test_corrupt_and_foreign_files_give_clear_errors(tmp_path):
         Memory.load(future)
     with pytest.raises(FileNotFoundError):
         Memory.load(tmp_path / "missing")
+    # well-formed archive, nonsense metadata
+    for change in ({"settings": {"max_tokens": 0}}, {"settings": {"colour": "red"}}, {"added": ["x"]},
+                   {"keys": [7]}, {"kind": "references"}):
+        h = {**json.loads(header.tobytes().decode()), **change}
+        odd = tmp_path / "odd.npz"
+        np.savez(odd, header=np.frombuffer(json.dumps(h).encode(), np.uint8), tokens=original, lengths=lengths)
+        with pytest.raises(CorpusFileError):
+            Memory.load(odd)
+
+
+def test_register_files(tmp_path):
+    paths = []
+    for name, text in (("a.py", "def f():\n    return 1\n"), ("b.py", "x = 2\n")):
+        (tmp_path / name).write_text(text)
+        paths.append(tmp_path / name)
+    refs = References()
+    tokenizer = lambda text, add_special_tokens=False: {"input_ids": [ord(c) for c in text]}  # noqa: E731
+    assert refs.register_files(paths, tokenizer) == sum(len(p.read_text()) for p in paths)
+    assert refs.names == [str(p) for p in paths]
+    c = refs.cursor()
+    c.extend([ord(ch) for ch in "def f"])
+    assert bytes(c.propose(4).tolist()).decode() == "():\n"
 
 
 def test_million_token_reference_indexes_in_bounded_memory():
