@@ -129,9 +129,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "reference_index.json").write_text(json.dumps(result, indent=1))
-    lines = ["# Reference documents: suffix index vs pyahocorasick", "", f"Command: `{result['environment']['command']}`",
-             "", "Indicative timings (shared machine); memory is exact. Aho-Corasick matches one n-gram length only.",
-             "", "| document tokens | index | build s | bytes/token | µs per step (median) |", "|---:|---|---:|---:|---:|"]
+    lines = ["# Reference documents: suffix index vs pyahocorasick", "",
+             f"Command: `{result['environment']['command']}`", "",
+             "Indicative timings (shared machine); memory is exact. Aho-Corasick matches one n-gram length only.", "",
+             "| document tokens | index | build s | bytes/token | µs per step (median) |", "|---:|---|---:|---:|---:|"]
     lines += [f"| {r['tokens']} | {r['index']} | {r['build_s']:.2f} | {r['bytes_per_token']:.0f} | "
               f"{r['us_per_step']:.1f} |" for r in rows]
     (out / "reference_index.md").write_text("\n".join(lines) + "\n")

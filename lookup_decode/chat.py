@@ -48,7 +48,10 @@ def cmd_chat(args) -> int:
     from lookup_decode.memory import Memory
     path = Path(args.memory_file) if args.memory_file else None
     try:
-        memory = Memory.load(path, max_tokens=args.memory_tokens) if path and path.exists() else Memory(args.memory_tokens)
+        if path is not None and path.exists():
+            memory = Memory.load(path, max_tokens=args.memory_tokens)
+        else:
+            memory = Memory(args.memory_tokens)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"lookup-decode: {e}")
     model, tokenizer = load(args)
@@ -75,4 +78,5 @@ def cmd_chat(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--memory-tokens", type=int, default=200_000, help="session memory bound in tokens")
-    p.add_argument("--memory-file", default=None, help="load the memory from this file if it exists; save it at the end")
+    p.add_argument("--memory-file", default=None,
+                   help="load the memory from this file if it exists; save it at the end")

@@ -320,7 +320,8 @@ def test_million_token_reference_indexes_in_bounded_memory():
     refs.register("big", tokens=doc)
     seconds = time.perf_counter() - t
     per_token = refs.nbytes() / n
-    print(f"\n1M-token reference: indexed in {seconds:.2f} s, {refs.nbytes() / 2**20:.0f} MiB ({per_token:.0f} B/token)")
+    print(f"\n1M-token reference: indexed in {seconds:.2f} s, {refs.nbytes() / 2**20:.0f} MiB "
+          f"({per_token:.0f} B/token)")
     assert per_token < 256                       # bounded: O(n) buffers, at most doubling slack
     c = refs.cursor()
     c.extend([7, 0, 1, 2, 3])
