@@ -161,6 +161,20 @@ def test_eviction_keeps_the_bound_and_drops_least_recently_useful():
     assert sum(e.tokens.size for e in mem.entries()) == mem.n_tokens
 
 
+def test_eviction_order_is_least_recently_useful_first():
+    mem = Memory(max_tokens=30)
+    a, b, c, d = (np.arange(10) + 100 * i for i in range(1, 5))
+    for x in (a, b, c):
+        mem.add(x)
+    cur = mem.cursor()
+    cur.extend(a[:3])
+    assert cur.propose(2).tolist() == a[3:5].tolist()
+    cur.credit(2)                                # a draft from `a` was accepted: a is now the most recently useful
+    mem.add(d)                                   # 40 > 30: evict b, then c, until d fits in 3/4 of the bound
+    assert [e.tokens[0] for e in mem.entries()] == [a[0], d[0]]
+    assert mem.n_tokens == 20 and mem.evicted == 2
+
+
 def test_memory_keeps_one_copy_of_a_repeat_and_truncates_huge_entries():
     mem = Memory(max_tokens=100)
     assert mem.add([1, 2, 3]) and not mem.add([1, 2, 3])
