@@ -153,3 +153,32 @@ def draft_length(toks, n, start, max_tokens, eos):
             if toks[j] == eos[k]:
                 return j - start
     return max(stop - start, 0)
+
+
+@njit(cache=True, nogil=True)
+def follow(toks, n, slen, slink, sfirst, eto, hkey, hval, cursor, new):
+    """Advance `cursor` over `new` (int32 [m]), tokens of *another* text (matching statistics).
+
+    cursor (int64 [4]): automaton state, length of the longest suffix of the other text that occurs
+    in this one, end position of the occurrence being copied, length matched there. Same rule as
+    `extend`: keep following the copied occurrence while toks[end + 1] continues the other text;
+    otherwise jump to the earliest occurrence (the state's `first`) of the longest matching suffix.
+    Reads the automaton only; O(1) amortized per token.
+    """
+    state, length, end, occ = cursor[0], cursor[1], cursor[2], cursor[3]
+    for t in range(new.shape[0]):
+        c = np.int64(new[t])
+        while state != 0 and _edge(hkey, hval, state, c) == -1:
+            state = slink[state]
+            length = slen[state]
+        e = _edge(hkey, hval, state, c)
+        if e == -1:
+            state, length = 0, 0
+        else:
+            state, length = eto[e], length + 1
+        if occ > 0 and end + 1 < n and toks[end + 1] == c:
+            end, occ = end + 1, occ + 1
+        else:
+            occ = length
+            end = sfirst[state] if length > 0 else -1
+    cursor[0], cursor[1], cursor[2], cursor[3] = state, length, end, occ

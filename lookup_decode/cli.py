@@ -2,6 +2,7 @@
 
     lookup-decode generate --prompt "Rewrite this file ..." --compare
     lookup-decode bench --prompts my_requests.jsonl
+    lookup-decode chat --memory-file session.mem
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true", help="also run plain model.generate: speed-up and identity")
     _add_model_args(g)
     _add_lookup_args(g)
+
+    from lookup_decode import chat
+    c = sub.add_parser("chat", help="multi-turn chat on stdin with a session memory across turns (and runs)")
+    chat.add_arguments(c)
+    _add_model_args(c)
+    c.add_argument("--k", type=int, default=32, help="most draft tokens verified per step (default 32)")
 
     from lookup_decode import bench
     b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
@@ -176,6 +183,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "chat":
+        from lookup_decode.chat import cmd_chat
+        return cmd_chat(args)
     from lookup_decode import bench
     return bench.run(args)
 

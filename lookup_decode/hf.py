@@ -23,6 +23,7 @@ from lookup_decode.config import LookupConfig
 from lookup_decode.decode import Recorded, _Forward, lookup_generate
 from lookup_decode.index import SuffixIndex
 from lookup_decode.policy import DraftPolicy
+from lookup_decode.sources import check_sources, with_sources
 from lookup_decode.stats import DecodeStats
 
 _OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
@@ -108,15 +109,22 @@ def _check_streamer(streamer, input_ids) -> None:
 
 
 def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                options: LookupConfig, stats, proposer, generator, cache, cache_arg, keep_logits, model_kwargs):
+                options: LookupConfig, stats, proposer, generator, cache, cache_arg, keep_logits, model_kwargs,
+                sources=()):
     """Batches (or a left-padded row): one suffix index per row, ragged acceptance (see batch.py)."""
     B = input_ids.shape[0]
     _check_streamer(streamer, input_ids)
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         raise ValueError("output_scores/output_logits are not supported for batches yet; generate rows one by one")
+    if proposer is not None and sources:
+        raise ValueError("memory/references draft through lookup_decode's own index; pass them or a proposer, not both")
+    eos = _eos_ids(generation_config)
     if proposer is None:
-        proposers = [SuffixIndex(min_match=options.min_match, max_match=options.max_match,
-                                 eos_token_ids=_eos_ids(generation_config)) for _ in range(B)]
+        proposers = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
+                     for _ in range(B)]
+        if sources:  # every row drafts from the shared memory / references too
+            proposers = [with_sources(p, sources, _vocab_size(model), min_match=options.min_match,
+                                      max_match=options.max_match, eos_token_ids=eos) for p in proposers]
     elif isinstance(proposer, (list, tuple)) and len(proposer) == B:
         proposers = list(proposer)
     else:
@@ -134,14 +142,26 @@ def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         k=options.k, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         max_length=generation_config.max_length, pad_token_id=_pad_token_id(generation_config),
         do_sample=bool(generation_config.do_sample), generator=generator, stats=stats, adaptive=options.adaptive)
+    P = input_ids.shape[1]
+    for b in range(B if sources else 0):  # the memory stores each row's output (up to its EOS)
+        out = sequences[b, P:]
+        ends = torch.isin(out, torch.tensor(eos, device=out.device)).nonzero()
+        for _, corpus in sources:
+            corpus.remember(input_ids[b][mask[b] == 1], out[: int(ends[0]) + 1] if len(ends) else out)
     if not generation_config.return_dict_in_generate:
         return sequences
     # No cache: its columns hold holes and finished rows left it, so generate could not continue from it.
     return GenerateDecoderOnlyOutput(sequences=sequences)
 
 
+def _vocab_size(model) -> int:
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
 def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                   options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs):
+                   options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs,
+                   sources=()):
     _check_request(model, input_ids, generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
@@ -153,19 +173,26 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if _is_batched(input_ids, model_kwargs):
         return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                            options, stats, proposer, generator, cache, cache_argument(model), keep_logits,
-                           model_kwargs)
+                           model_kwargs, sources)
     forward = _Forward(model, cache, cache_argument(model), keep_logits)
     if hasattr(proposer, "check_compatible"):
         proposer.check_compatible(model)
+    if proposer is not None and sources:
+        raise ValueError("memory/references draft through lookup_decode's own index; pass them or a proposer, not both")
     if proposer is None:
         proposer = SuffixIndex(min_match=options.min_match, max_match=options.max_match,
                                eos_token_ids=_eos_ids(generation_config))
+        if sources:  # session memory / reference documents (memory.py, sources.py)
+            proposer = with_sources(proposer, sources, _vocab_size(model), min_match=options.min_match,
+                                    max_match=options.max_match, eos_token_ids=_eos_ids(generation_config))
     record = Recorded() if generation_config.return_dict_in_generate else None
     sequences = lookup_generate(
         model, input_ids, forward=forward, proposer=proposer, policy=DraftPolicy(options.k),
         logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         max_length=generation_config.max_length, do_sample=bool(generation_config.do_sample),
         generator=generator, streamer=streamer, stats=stats, record=record, adaptive=options.adaptive)
+    for _, corpus in sources:  # the memory stores this output for later requests
+        corpus.remember(input_ids[0], sequences[0, input_ids.shape[1]:])
     if streamer is not None:
         streamer.end()
     if not generation_config.return_dict_in_generate:
@@ -181,7 +208,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
 
 
 def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,
-                    generator: torch.Generator | None = None, streamer=None, **options):
+                    generator: torch.Generator | None = None, streamer=None, memory=None, references=None,
+                    **options):
     """Return a callable for `model.generate(custom_generate=...)` with options bound.
 
     Useful when options must not travel through generate()'s kwargs, and to pass a streamer:
@@ -190,6 +218,7 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
     """
     config = config if config is not None else LookupConfig(**options)
     bound_streamer = streamer
+    sources = check_sources(memory, references)
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=False, streamer=None, **model_kwargs):
@@ -199,7 +228,7 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
             _check_streamer(streamer, input_ids)
             streamer.put(input_ids.cpu())
         return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                              streamer, config, stats, proposer, generator, model_kwargs)
+                              streamer, config, stats, proposer, generator, model_kwargs, sources)
 
     return decoding_loop
 
@@ -207,7 +236,8 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
 def generate(model, input_ids=None, logits_processor=None, stopping_criteria=None, generation_config=None,
              synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
              max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
-             proposer=None, generator: torch.Generator | None = None, **model_kwargs):
+             proposer=None, generator: torch.Generator | None = None, memory=None, references=None,
+             **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
 
     As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
@@ -220,7 +250,9 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
     (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
     place), proposer (any object with extend/propose/match_len; default a SuffixIndex over the
-    prompt and output), generator (torch.Generator for sampling).
+    prompt and output), generator (torch.Generator for sampling), memory (a lookup_decode.Memory:
+    drafts also from earlier outputs, and stores this one), references (lookup_decode.References:
+    drafts also from registered documents).
     """
     given = {name: value for name, value in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if value is not None}
     options = LookupConfig(**given)
@@ -229,7 +261,8 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
             raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
         if not hasattr(model, "generate"):
             raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
-        hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer)
+        hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer,
+                               memory=memory, references=references)
         stop_strings = model_kwargs.pop("stop_strings", None)
         if stop_strings is not None:
             # transformers (5.x) drops `tokenizer` for a callable custom_generate and then refuses
@@ -243,4 +276,4 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                          options, stats, proposer, generator, model_kwargs)
+                          options, stats, proposer, generator, model_kwargs, check_sources(memory, references))

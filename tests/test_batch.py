@@ -252,3 +252,18 @@ def test_bad_batches_get_clear_errors(tiny_llama):
         tiny_llama.generate(ids, attention_mask=mask, proposer=lookup_decode.SuffixIndex(), **run)
     with pytest.raises(ValueError, match="GiB of KV cache"):
         check_batch_memory(tiny_llama, 64, 1000, 32, available_bytes=1 << 20)
+
+
+def test_batch_with_memory_equals_plain_and_drafts_from_it(tiny_llama):
+    from lookup_decode import Memory
+    memory = Memory(max_tokens=10_000)
+    rng = np.random.default_rng(0)
+    prompts = [torch.tensor(rng.integers(3, VOCAB, n), dtype=torch.long) for n in (12, 20, 16)]
+    ids, mask = left_pad(prompts)
+    theirs, logits = plain_batch(tiny_llama, ids, mask, 40, eos_token_id=None)
+    for _ in range(2):                            # the second batch re-asks what the first produced
+        ours = lookup_batch(tiny_llama, ids, mask, 40, DecodeStats(), eos_token_id=None, memory=memory)
+        for b in range(len(prompts)):
+            assert_same_or_near_tie(ours[b, ids.shape[1]:].tolist(), theirs[b, ids.shape[1]:].tolist(), logits[b])
+    assert len(memory) == 3
+    assert sum(e.accepted for e in memory.entries()) > 0, "guard: rows drafted from memory"

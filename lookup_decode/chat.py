@@ -1,0 +1,82 @@
+"""`lookup-decode chat`: a minimal multi-turn chat on stdin that keeps one session Memory across turns.
+
+The history goes into every prompt as usual; the memory additionally offers every earlier reply
+(and, with --memory-file, the replies of earlier runs) as a draft source. Lines starting with "/"
+are commands: /exit ends the chat, /reset starts a new conversation (the memory stays).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, system: str | None = None,
+              streamer_factory=None, out=sys.stdout, err=sys.stderr, **lookup_options) -> list[dict]:
+    """Answer each line of `lines` (an iterable of str) in one conversation; returns the messages."""
+    import lookup_decode
+    messages = [{"role": "system", "content": system}] if system else []
+    start = len(messages)
+    for line in lines:
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            break
+        if text == "/reset":
+            del messages[start:]
+            continue
+        messages.append({"role": "user", "content": text})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        stats = lookup_decode.DecodeStats()
+        streamer = streamer_factory() if streamer_factory is not None else None
+        result = lookup_decode.generate(model, ids, max_new_tokens=max_new_tokens, do_sample=False, memory=memory,
+                                        stats=stats, streamer=streamer, **lookup_options)
+        reply = tokenizer.decode(result[0, ids.shape[1]:], skip_special_tokens=True)
+        if streamer is None:
+            print(reply, file=out)
+        messages.append({"role": "assistant", "content": reply})
+        print(f"--- {stats.summary()}; memory {memory.n_tokens} tokens in {len(memory)} entries", file=err)
+    return messages
+
+
+def cmd_chat(args) -> int:
+    from transformers import TextStreamer
+
+    from lookup_decode.cli import load
+    from lookup_decode.memory import Memory
+    path = Path(args.memory_file) if args.memory_file else None
+    try:
+        if path is not None and path.exists():
+            memory = Memory.load(path, max_tokens=args.memory_tokens)
+        else:
+            memory = Memory(args.memory_tokens)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"lookup-decode: {e}")
+    model, tokenizer = load(args)
+    interactive = sys.stdin.isatty()
+
+    def lines():
+        while True:
+            if interactive:
+                print("you> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return
+            yield line
+
+    factory = (lambda: TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    chat_loop(model, tokenizer, lines(), memory, max_new_tokens=args.max_new_tokens, system=args.system,
+              streamer_factory=factory, k=args.k)
+    if path is not None:
+        memory.save(path)
+        print(f"--- memory saved to {path}", file=sys.stderr)
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--system", default=None, help="optional system message")
+    p.add_argument("--memory-tokens", type=int, default=200_000, help="session memory bound in tokens")
+    p.add_argument("--memory-file", default=None,
+                   help="load the memory from this file if it exists; save it at the end")

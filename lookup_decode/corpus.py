@@ -1,0 +1,314 @@
+"""Corpus: token sequences (entries) kept across requests in one suffix index, safe to share between threads.
+
+The base of session memory and reference documents (`memory.py`). All entries live in one
+`SuffixIndex` over their concatenation, each followed by `SEPARATOR`; since no model emits that
+id, no match ever crosses from one entry into the next. The index is built once and only read by
+requests: each request follows its own tokens over it with a `Cursor` (matching statistics, O(1)
+amortized per token, whatever the corpus size). A suffix automaton cannot forget, so removing
+entries rebuilds the index from the kept ones (O(kept tokens)).
+
+Thread safety: one lock guards the entries and the index; cursors take it for each `extend` /
+`propose` (microseconds), writers for an append (O(entry)) or a rebuild (O(corpus)). Every change
+bumps `version`; a cursor that sees a new version re-walks the last `max_match` tokens of its
+request, so it never reads an index that changed under it.
+
+Persistence (`save` / `load`): a NumPy .npz archive (no pickle) holding a JSON header (format name,
+format version, kind, settings, entry metadata, SHA-256 of the tokens) and the tokens; the index is
+rebuilt on load. Everything is validated before an object is built, so a bad file never yields a
+half-loaded corpus.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lookup_decode.index import SuffixIndex, as_token_array
+
+SEPARATOR = 2**31 - 1          # between entries: the largest id the index accepts, never a model token
+FORMAT = "lookup_decode.corpus"
+FORMAT_VERSION = 1
+_MAX_TAIL = 256                # most tokens a cursor re-walks after the corpus changed
+
+
+class CorpusFileError(ValueError):
+    """A saved memory / references file that is corrupt, foreign, or of an unknown format version."""
+
+
+@dataclass
+class Entry:
+    key: str                   # document name (references) or content hash (memory)
+    tokens: np.ndarray         # int32 [n], n >= 1
+    start: int = 0             # position of tokens[0] in the index text; changes on rebuild
+    added: int = 0             # clock value when stored
+    last_used: int = 0         # clock value when stored, or when a draft from it was last accepted
+    accepted: int = 0          # draft tokens from this entry that the model kept
+
+
+class Corpus:
+    """Entries of token ids indexed together; see the module docstring.
+
+    vocab_size: when given, every stored id must be below it (checked on insertion); a model is
+    checked against the stored ids anyway before any request uses the corpus (`check_vocab`).
+    """
+
+    kind = "corpus"
+
+    def __init__(self, *, vocab_size: int | None = None):
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size < 1):
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self._lock = threading.RLock()
+        self._entries: dict[str, Entry] = {}   # in index order
+        self._index = SuffixIndex(min_match=1, max_match=2**31 - 1)
+        self._starts: list[int] = []           # [entries] start positions, ascending (index order)
+        self._keys: list[str] = []             # [entries] keys, same order
+        self._n_tokens = 0                     # tokens held (separators not counted)
+        self._max_id = -1
+        self.version = 0
+        self.clock = 0
+
+    # -- reading ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens held in all entries (separators not counted)."""
+        return self._n_tokens
+
+    def nbytes(self) -> int:
+        """Bytes held by the index (its buffers' capacity) and the entries' own copies."""
+        with self._lock:
+            return self._index.nbytes() + sum(e.tokens.nbytes for e in self._entries.values())
+
+    def entries(self) -> list[Entry]:
+        """A snapshot of the entries, in index order (copies of the metadata; tokens are shared, read-only)."""
+        with self._lock:
+            return [Entry(e.key, e.tokens, e.start, e.added, e.last_used, e.accepted) for e in self._entries.values()]
+
+    def check_vocab(self, vocab_size: int, what: str = "the model") -> None:
+        """ValueError if an entry holds an id that `what` (a vocabulary of `vocab_size` ids) does not know."""
+        if self._max_id >= vocab_size:
+            raise ValueError(f"the {self.kind} holds token id {self._max_id} but {what} has a vocabulary of "
+                             f"{vocab_size} ids; was it filled with another tokenizer?")
+
+    def cursor(self, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()) -> "Cursor":
+        return Cursor(self, min_match=min_match, max_match=max_match, eos_token_ids=eos_token_ids)
+
+    # -- writing (callers hold the lock) ---------------------------------------------------------
+    def _tokens(self, tokens, what: str) -> np.ndarray:
+        arr = as_token_array(tokens, what)
+        if arr.size and int(arr.max()) == SEPARATOR:
+            raise ValueError(f"{what} hold id {SEPARATOR}, reserved as the separator between entries")
+        if self.vocab_size is not None and arr.size and int(arr.max()) >= self.vocab_size:
+            raise ValueError(f"{what} hold token id {int(arr.max())}, unknown to a vocabulary of "
+                             f"{self.vocab_size} ids")
+        return arr
+
+    def _append(self, entry: Entry) -> None:
+        entry.start = len(self._index)
+        self._index.extend(np.append(entry.tokens, np.int32(SEPARATOR)))
+        self._entries[entry.key] = entry
+        self._starts.append(entry.start)
+        self._keys.append(entry.key)
+        self._n_tokens += entry.tokens.size
+        self._max_id = max(self._max_id, int(entry.tokens.max()))
+        self.version += 1
+
+    def _remove(self, keys) -> None:
+        """Drop entries and rebuild the index from the others (O(kept tokens))."""
+        for key in keys:
+            del self._entries[key]
+        kept = list(self._entries.values())
+        self._entries.clear()
+        self._index = SuffixIndex(min_match=1, max_match=2**31 - 1)
+        self._starts, self._keys, self._n_tokens, self._max_id = [], [], 0, -1
+        if kept:
+            text = np.concatenate([np.append(e.tokens, np.int32(SEPARATOR)) for e in kept])
+            self._index.extend(text)            # one kernel call for the whole corpus
+            pos = 0
+            for e in kept:
+                e.start = pos
+                pos += e.tokens.size + 1
+                self._entries[e.key] = e
+            self._starts = [e.start for e in kept]
+            self._keys = [e.key for e in kept]
+            self._n_tokens = sum(e.tokens.size for e in kept)
+            self._max_id = max(int(e.tokens.max()) for e in kept)
+        self.version += 1
+
+    def credit(self, version: int, position: int, accepted: int) -> None:
+        """A draft copied from index `position` (at corpus `version`) had `accepted` tokens kept."""
+        if accepted <= 0:
+            return
+        with self._lock:
+            if version != self.version or not self._keys:
+                return                          # the entry moved or went since; nothing to credit
+            i = bisect.bisect_right(self._starts, position) - 1
+            entry = self._entries.get(self._keys[i]) if i >= 0 else None
+            if entry is not None:
+                self.clock += 1
+                entry.last_used = self.clock
+                entry.accepted += int(accepted)
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _settings(self) -> dict:
+        return {"vocab_size": self.vocab_size}
+
+    def save(self, path) -> None:
+        """Write the entries (not the index: it is rebuilt on load) to `path` (.npz)."""
+        with self._lock:
+            entries = list(self._entries.values())
+            tokens = np.concatenate([e.tokens for e in entries]) if entries else np.zeros(0, np.int32)
+            header = {"format": FORMAT, "version": FORMAT_VERSION, "kind": self.kind, "settings": self._settings(),
+                      "clock": self.clock, "keys": [e.key for e in entries],
+                      "added": [e.added for e in entries], "last_used": [e.last_used for e in entries],
+                      "accepted": [e.accepted for e in entries], "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+            lengths = np.array([e.tokens.size for e in entries], np.int64)
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:              # np.savez would append ".npz" to a path without it
+            np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), tokens=tokens, lengths=lengths)
+        tmp.replace(path)                       # a crash mid-write leaves the old file intact
+
+    @classmethod
+    def load(cls, path, **overrides):
+        """A new corpus of this class from a file written by `save`; CorpusFileError when the file
+        is not one (foreign, corrupt, other kind or format version). `overrides` replace saved settings."""
+        header, tokens, lengths = _read(path, cls.kind)
+        try:
+            obj = cls(**header["settings"])
+        except (TypeError, ValueError) as e:
+            raise CorpusFileError(f"{path}: saved settings {header['settings']} are not valid: {e}") from None
+        if overrides:
+            obj = cls(**{**header["settings"], **overrides})
+        pieces = np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []
+        with obj._lock:
+            for i, key in enumerate(header["keys"]):
+                arr = obj._tokens(pieces[i], f"entry {key!r} of {path}")
+                obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
+                                  accepted=header["accepted"][i]))
+            obj.clock = header["clock"]
+            obj._after_load()
+        return obj
+
+    def _after_load(self) -> None:
+        """Subclasses enforce their bounds on a loaded corpus."""
+
+
+def _read(path, kind: str):
+    """(header, tokens int32 [n], lengths int64 [entries]) from a saved corpus, fully validated."""
+    def bad(why):
+        return CorpusFileError(f"{path}: not a lookup_decode {kind} file ({why})")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if set(f.files) != {"header", "tokens", "lengths"}:
+                raise bad(f"arrays {sorted(f.files)}")
+            raw, tokens, lengths = f["header"], f["tokens"], f["lengths"]
+    except CorpusFileError:
+        raise
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise bad(f"unreadable: {e}") from None
+    try:
+        header = json.loads(raw.tobytes().decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise bad("header is not JSON") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise bad(f"format {header.get('format') if isinstance(header, dict) else None!r}")
+    if header.get("version") != FORMAT_VERSION:
+        raise CorpusFileError(f"{path}: format version {header.get('version')!r}; this lookup_decode reads "
+                              f"version {FORMAT_VERSION}")
+    if header.get("kind") != kind:
+        raise CorpusFileError(f"{path} holds a {header.get('kind')!r}, not a {kind!r}")
+    if tokens.dtype != np.int32 or tokens.ndim != 1 or lengths.dtype != np.int64 or lengths.ndim != 1:
+        raise bad("array types")
+    if np.any(lengths < 1) or int(lengths.sum()) != tokens.size:
+        raise bad("entry lengths do not add up to the tokens")
+    n = len(lengths)
+    fields = ("keys", "added", "last_used", "accepted")
+    if not all(isinstance(header.get(k), list) and len(header[k]) == n for k in fields) \
+            or not isinstance(header.get("settings"), dict) or not isinstance(header.get("clock"), int):
+        raise bad("entry metadata does not match the entries")
+    if not all(isinstance(key, str) for key in header["keys"]) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for k in fields[1:] for v in header[k]):
+        raise bad("entry metadata has the wrong types")
+    if len(set(header["keys"])) != n:
+        raise bad("duplicate entry keys")
+    if hashlib.sha256(tokens.tobytes()).hexdigest() != header.get("sha256"):
+        raise bad("checksum mismatch: the tokens were changed or truncated")
+    return header, tokens, lengths
+
+
+class Cursor:
+    """One request's view of a corpus: follows the request's tokens, drafts what followed them there.
+
+    The proposer interface of the decode loop: `extend(tokens)`, `propose(max_tokens) -> int32 [d]`,
+    `match_len`. Occurrence rule: the index's (keep copying from the same place while it matches;
+    else the earliest occurrence of the longest suffix found in the corpus). Drafts stop before an
+    EOS id and at the end of an entry.
+    """
+
+    def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()):
+        if int(min_match) < 1 or int(max_match) < int(min_match):
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.corpus, self.min_match, self.max_match = corpus, int(min_match), int(max_match)
+        self._stops = np.append(as_token_array(list(eos_token_ids), "eos_token_ids"), np.int32(SEPARATOR))
+        self._tail = np.zeros(0, np.int32)     # the request's last tokens, for re-walking after a change
+        self._state = SuffixIndex.new_cursor()
+        self._version = -1
+        self.draft_end = -1                     # index position the last non-empty draft copied after
+        self.draft_version = -1
+
+    def _sync(self) -> None:
+        """Re-walk the tail if the corpus changed since this cursor last read it (caller holds the lock)."""
+        if self._version != self.corpus.version:
+            self._state = SuffixIndex.new_cursor()
+            self.corpus._index.follow(self._state, self._tail)
+            self._version = self.corpus.version
+
+    def extend(self, tokens) -> None:
+        new = as_token_array(tokens)
+        if new.size == 0:
+            return
+        keep = min(self.max_match, _MAX_TAIL)
+        self._tail = np.concatenate([self._tail, new])[-keep:]
+        with self.corpus._lock:
+            if self._version != self.corpus.version:
+                self._sync()
+            else:
+                self.corpus._index.follow(self._state, new)
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        with self.corpus._lock:
+            self._sync()
+            if self._state[3] < self.min_match or max_tokens == 0:
+                return np.zeros(0, np.int32)
+            end = int(self._state[2])
+            draft = self.corpus._index.continuation(end, max_tokens, self._stops)
+            if draft.size:
+                self.draft_end, self.draft_version = end, self.corpus.version
+            return draft
+
+    @property
+    def match_len(self) -> int:
+        return min(int(self._state[3]), self.max_match)
+
+    def credit(self, accepted: int) -> None:
+        """The last non-empty draft had `accepted` tokens kept: mark its entry as useful."""
+        self.corpus.credit(self.draft_version, self.draft_end + 1, accepted)

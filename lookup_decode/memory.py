@@ -1,0 +1,186 @@
+"""Session memory and reference documents: text to draft from that is not in the current request.
+
+    memory = lookup_decode.Memory(max_tokens=200_000)           # earlier outputs, bounded
+    refs = lookup_decode.References()
+    refs.register("utils.py", text=source, tokenizer=tokenizer)  # indexed once, used by every request
+    out = lookup_decode.generate(model, ids, memory=memory, references=refs, max_new_tokens=256)
+
+Both are `Corpus`es (one suffix index each, shared by every request and thread). `generate` drafts
+from the request itself, the memory and the references (rule: `sources.py`) and, when it returns,
+stores the new output in the memory. Drafts are only guesses that the model verifies, so whatever
+a source holds, the output is the one plain decoding gives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from lookup_decode.corpus import Corpus, Entry
+
+# After an eviction the memory holds at most this share of its bound, so the O(bound) rebuild of
+# the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
+LOW_WATER = 0.75
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1 token, got {value}")
+    return int(value)
+
+
+class Memory(Corpus):
+    """Earlier outputs (and optionally prompts) of a session, bounded in tokens, shared between requests.
+
+    Eviction rule (least recently useful first): every entry carries the memory's clock value at
+    its last use: when it was stored, stored again (an identical output is kept once), or when a
+    draft copied from it had a token accepted. When a new entry would exceed `max_tokens`, entries
+    go in order of oldest last use (ties: fewer accepted draft tokens, then older entry) until
+    everything, the new entry included, fits in LOW_WATER * max_tokens; then the index is rebuilt.
+    An entry longer than that keeps its first LOW_WATER * max_tokens tokens.
+
+    Args:
+        max_tokens: bound on the tokens held (>= 1). The index costs about 170 bytes per token
+            (`nbytes()`), so 1M tokens take about 170 MB.
+        remember_prompts: also store each request's prompt (default: outputs only; a chat's prompt
+            already holds its history, and system prompts would crowd out the outputs).
+        vocab_size: reject ids >= vocab_size on insertion (models are checked before use anyway).
+    """
+
+    kind = "memory"
+
+    def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False,
+                 vocab_size: int | None = None):
+        super().__init__(vocab_size=vocab_size)
+        self.max_tokens = _positive_int(max_tokens, "memory max_tokens")
+        if not isinstance(remember_prompts, bool):
+            raise TypeError(f"remember_prompts must be True or False, got {remember_prompts!r}")
+        self.remember_prompts = remember_prompts
+        self.evicted = 0                        # entries evicted so far
+
+    def _settings(self) -> dict:
+        return {"max_tokens": self.max_tokens, "remember_prompts": self.remember_prompts,
+                "vocab_size": self.vocab_size}
+
+    def add(self, tokens) -> bool:
+        """Store one sequence of token ids (int [n]); True if it was new (a repeat only refreshes its entry)."""
+        arr = self._tokens(tokens, "memory tokens")
+        if arr.size == 0:
+            return False
+        arr = arr[: max(1, int(LOW_WATER * self.max_tokens))]
+        key = hashlib.sha1(arr.tobytes()).hexdigest()
+        with self._lock:
+            self.clock += 1
+            if key in self._entries:
+                self._entries[key].last_used = self.clock
+                return False
+            if self._n_tokens + arr.size > self.max_tokens:
+                self._evict(int(LOW_WATER * self.max_tokens) - arr.size)
+            self._append(Entry(key, arr, added=self.clock, last_used=self.clock))
+            return True
+
+    def remember(self, prompt, output) -> None:
+        """What `generate` calls when a request returns: store its output (and prompt if asked)."""
+        if self.remember_prompts:
+            self.add(prompt)
+        self.add(output)
+
+    def _evict(self, budget: int) -> None:
+        """Drop least recently useful entries until at most `budget` tokens remain (caller holds the lock)."""
+        order = sorted(self._entries.values(), key=lambda e: (e.last_used, e.accepted, e.added))
+        held, gone = self._n_tokens, []
+        for e in order:
+            if held <= budget:
+                break
+            gone.append(e.key)
+            held -= e.tokens.size
+        self.evicted += len(gone)
+        self._remove(gone)
+
+    def _after_load(self) -> None:
+        if self._n_tokens > self.max_tokens:
+            self._evict(int(LOW_WATER * self.max_tokens))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._remove(list(self._entries))
+
+
+class References(Corpus):
+    """Reference documents (source files, retrieved passages) registered once and used by every request.
+
+    Documents are never evicted: `register` refuses to exceed `max_tokens` (None: no bound), and
+    `remove` takes them out. Registering or removing costs O(tokens of the documents concerned);
+    removing rebuilds the index from the remaining documents.
+    """
+
+    kind = "references"
+
+    def __init__(self, *, max_tokens: int | None = None, vocab_size: int | None = None):
+        super().__init__(vocab_size=vocab_size)
+        self.max_tokens = None if max_tokens is None else _positive_int(max_tokens, "references max_tokens")
+
+    def _settings(self) -> dict:
+        return {"max_tokens": self.max_tokens, "vocab_size": self.vocab_size}
+
+    def register(self, name: str, text: str | None = None, *, tokens=None, tokenizer=None,
+                 replace: bool = False) -> int:
+        """Add a document from `text` (with `tokenizer`) or from token ids; returns its token count.
+
+        `replace=True` swaps in a new version of a document already registered under `name`.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a document needs a non-empty name, got {name!r}")
+        if (text is None) == (tokens is None):
+            raise ValueError(f"document {name!r}: pass either text (with a tokenizer) or tokens, not both")
+        if text is not None:
+            if tokenizer is None:
+                raise ValueError(f"document {name!r}: text needs tokenizer=... (the model's tokenizer)")
+            if not isinstance(text, str):
+                raise TypeError(f"document {name!r}: text must be a str, got {type(text).__name__}")
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        arr = self._tokens(tokens, f"document {name!r}")
+        if arr.size == 0:
+            raise ValueError(f"document {name!r} is empty: nothing to draft from")
+        with self._lock:
+            if name in self._entries and not replace:
+                raise ValueError(f"a document named {name!r} is already registered; remove it or pass replace=True")
+            held = self._n_tokens - (self._entries[name].tokens.size if name in self._entries else 0)
+            if self.max_tokens is not None and held + arr.size > self.max_tokens:
+                raise ValueError(f"document {name!r} ({arr.size} tokens) does not fit: the references hold "
+                                 f"{held} of at most {self.max_tokens} tokens; remove documents first")
+            if name in self._entries:
+                self._remove([name])
+            self.clock += 1
+            self._append(Entry(name, arr, added=self.clock, last_used=self.clock))
+        return int(arr.size)
+
+    def register_files(self, paths, tokenizer, *, replace: bool = False) -> int:
+        """Register text files under their path names; returns the total tokens registered."""
+        return sum(self.register(str(p), Path(p).read_text(encoding="utf-8"), tokenizer=tokenizer, replace=replace)
+                   for p in paths)
+
+    def remove(self, *names: str) -> None:
+        """Remove documents by name (KeyError naming the first unknown one; then nothing is removed)."""
+        with self._lock:
+            for name in names:
+                if name not in self._entries:
+                    raise KeyError(f"no document named {name!r} is registered")
+            self._remove(list(names))
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def remember(self, prompt, output) -> None:
+        """References do not learn from requests."""
+
+    def _after_load(self) -> None:
+        if self.max_tokens is not None and self._n_tokens > self.max_tokens:
+            raise ValueError(f"the loaded references hold {self._n_tokens} tokens, more than max_tokens="
+                             f"{self.max_tokens}")

@@ -1,0 +1,109 @@
+"""Drafting from several sources at once: the current request, session memory, reference documents.
+
+`SourcesProposer` has the proposer interface of the decode loop (`extend`, `propose`, `match_len`)
+and wraps one proposer per source: the request's own `SuffixIndex` and a `Cursor` per corpus.
+
+Choice rule, per step: every source proposes; among the non-empty drafts the one backed by the
+longest match wins (a longer matched suffix is stronger evidence, the same signal the draft policy
+buckets acceptance by); ties go to the more recent text: the request itself, then the memory (the
+model's own earlier outputs), then the reference documents. A corpus is large, so short matches
+there are often chance: while the request has a draft of its own, a corpus draft must rest on at
+least CORPUS_MIN_MATCH (4) tokens; when the request has none, ALONE_MIN_MATCH (2) suffice. (Offline
+replay, benchmarks/replay_memory.py: with corpus matches of any length memory cost ~3% of modelled
+speed on ClapNQ RAG; with 4/2 it is within 0.5% there and keeps ~2.7x where the prompt lacks the text.)
+The draft length is then chosen by
+the same `DraftPolicy` as without memory (from the winning match length and the measured forward
+cost), so a source whose drafts get rejected gets short or no verification, as any weak match does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from lookup_decode.corpus import Corpus, Cursor
+
+REQUEST, MEMORY, REFERENCES = "request", "memory", "references"
+CORPUS_MIN_MATCH = 4
+ALONE_MIN_MATCH = 2
+
+
+class SourcesProposer:
+    """The request's index plus cursors over corpora; see the module docstring for the rule.
+
+    Args:
+        request: the request's own proposer (a SuffixIndex, fed the prompt and emitted tokens).
+        corpora: (name, Corpus) pairs in tie-break order, e.g. [("memory", m), ("references", r)].
+        min_match, max_match, eos_token_ids: as for SuffixIndex, applied to every corpus.
+    Attributes:
+        drafts_from: Counter of steps whose draft came from each source.
+        accepted_from: Counter of draft tokens accepted per source.
+    """
+
+    def __init__(self, request, corpora: list[tuple[str, Corpus]], *, min_match: int = 1, max_match: int = 64,
+                 eos_token_ids=(), corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH):
+        self.names = [REQUEST] + [name for name, _ in corpora]
+        self.corpus_min_match = min(max(min_match, corpus_min_match), max_match)
+        alone = min(max(min_match, alone_min_match), self.corpus_min_match)
+        self.sources = [request] + [c.cursor(min_match=alone, max_match=max_match, eos_token_ids=eos_token_ids)
+                                    for _, c in corpora]
+        self.match_len = 0
+        self.drafts_from: Counter = Counter()
+        self.accepted_from: Counter = Counter()
+        self._last: tuple[int, np.ndarray] | None = None   # (source, draft) of the last non-empty proposal
+
+    def extend(self, tokens) -> None:
+        if self._last is not None:
+            # The tokens that follow a proposal are the ones the model emitted: the kept prefix of the
+            # draft is what that source got right (same trick as DraftPolicy.observe).
+            src, draft = self._last
+            new = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+            n = min(len(draft), len(new))
+            same = draft[:n] == new[:n]
+            kept = n if same.all() else int(np.argmin(same))
+            if kept:
+                self.accepted_from[self.names[src]] += kept
+                if isinstance(self.sources[src], Cursor):
+                    self.sources[src].credit(kept)
+            self._last = None
+        for source in self.sources:
+            source.extend(tokens)
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        """int32 [d]: the draft of the source with the longest match (ties: earlier source)."""
+        best, best_len, best_src = np.zeros(0, np.int32), -1, -1
+        for i, source in enumerate(self.sources):
+            draft = source.propose(max_tokens)
+            if i > 0 and best_src == 0 and source.match_len < self.corpus_min_match:
+                continue                        # short corpus matches only count when the request has nothing
+            if len(draft) and source.match_len > best_len:
+                best, best_len, best_src = draft, source.match_len, i
+        if best_src < 0:
+            self.match_len = self.sources[0].match_len
+            return best
+        self.match_len = best_len
+        self.drafts_from[self.names[best_src]] += 1
+        self._last = (best_src, best)
+        return best
+
+
+def check_sources(memory, references) -> list[tuple[str, Corpus]]:
+    """(name, corpus) pairs for generate(memory=..., references=...), in tie-break order; TypeError if wrong."""
+    from lookup_decode.memory import Memory, References
+    out = []
+    for name, value, cls in ((MEMORY, memory, Memory), (REFERENCES, references, References)):
+        if value is None:
+            continue
+        if not isinstance(value, cls):
+            raise TypeError(f"{name}= takes a lookup_decode.{cls.__name__}, got {type(value).__name__}")
+        out.append((name, value))
+    return out
+
+
+def with_sources(request, corpora: list[tuple[str, Corpus]], vocab_size: int, *, min_match: int, max_match: int,
+                 eos_token_ids=()) -> SourcesProposer:
+    """Wrap the request's index for one request, after checking every corpus against the model's vocabulary."""
+    for name, corpus in corpora:
+        corpus.check_vocab(vocab_size)
+    return SourcesProposer(request, corpora, min_match=min_match, max_match=max_match, eos_token_ids=eos_token_ids)
