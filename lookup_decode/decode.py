@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lookup_decode.cache import crop
+from lookup_decode.cache import crop, start_rollback
 from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
@@ -124,6 +124,7 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
 
     # 1. Prefill: the prompt enters the cache; its last row gives the first token.
     logits = forward(input_ids, 1)
+    start_rollback(forward.cache, model)     # from here on every forward can be rolled back
     if adaptive and policy.k > 0 and policy.cost is None:
         policy.cost = _cost_curve(model, forward, input_ids[:, -1:], policy.k)
     emitted, scores = _verify(logits_processor, ids, T, ids[0, :0], logits, uniforms)
