@@ -40,15 +40,18 @@ def _sync(device: torch.device) -> None:
 class _Forward:
     """model(ids, cache) -> float32 logits of the last `n_logits` positions, [n_logits, V]."""
 
-    def __init__(self, model, cache, cache_arg: str, supports_logits_to_keep: bool):
+    def __init__(self, model, cache, cache_arg: str, supports_logits_to_keep: bool, input_name: str = "input_ids",
+                 extra: dict | None = None):
         self.model, self.cache, self.cache_arg = model, cache, cache_arg
         self.keep = supports_logits_to_keep
+        # Encoder-decoder models (encdec.py): ids go in as decoder_input_ids, with the encoder output.
+        self.input_name, self.extra = input_name, extra or {}
 
     def __call__(self, ids: torch.Tensor, n_logits: int) -> torch.Tensor:
-        kwargs = {self.cache_arg: self.cache, "use_cache": True}
+        kwargs = {self.cache_arg: self.cache, "use_cache": True, **self.extra}
         if self.keep:
             kwargs["logits_to_keep"] = n_logits
-        logits = self.model(input_ids=ids, **kwargs).logits
+        logits = self.model(**{self.input_name: ids}, **kwargs).logits
         return logits[0, -n_logits:].to(torch.float32)
 
     def seconds(self, ids: torch.Tensor) -> float:

@@ -15,9 +15,10 @@ import inspect
 
 import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lookup_decode.cache import cache_argument, check_croppable, new_cache
+from lookup_decode import encdec
 from lookup_decode.config import LookupConfig
 from lookup_decode.decode import Recorded, _Forward, lookup_generate
 from lookup_decode.index import SuffixIndex
@@ -37,8 +38,6 @@ def _eos_ids(generation_config) -> list[int]:
 def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
     """Clear errors for what lookup decoding cannot do (yet), before any forward runs."""
     name = type(model).__name__
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; lookup_decode supports decoder-only models for now")
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
@@ -76,7 +75,8 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
 
 
 def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                   options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs):
+                   options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs,
+                   inputs_tensor=None):
     _check_request(model, input_ids, generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
@@ -85,12 +85,19 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
     params = inspect.signature(model.forward).parameters
-    forward = _Forward(model, cache, cache_argument(model), "logits_to_keep" in params)
+    source, input_name, extra = None, "input_ids", None
+    if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
+        encdec.check_proposer(model, proposer)
+        source = encdec.source_ids(model, inputs_tensor, model_kwargs)
+        input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
+    forward = _Forward(model, cache, cache_argument(model), "logits_to_keep" in params, input_name, extra)
     if hasattr(proposer, "check_compatible"):
         proposer.check_compatible(model)
     if proposer is None:
         proposer = SuffixIndex(min_match=options.min_match, max_match=options.max_match,
                                eos_token_ids=_eos_ids(generation_config))
+    if source is not None:
+        proposer.extend(source[0])
     record = Recorded() if generation_config.return_dict_in_generate else None
     sequences = lookup_generate(
         model, input_ids, forward=forward, proposer=proposer, policy=DraftPolicy(options.k),
@@ -104,7 +111,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache
     if cache.get_seq_length() > crop_to:
         cache.crop(crop_to - cache.get_seq_length())
-    return GenerateDecoderOnlyOutput(
+    output_class = GenerateEncoderDecoderOutput if source is not None else GenerateDecoderOnlyOutput
+    return output_class(
         sequences=sequences,
         scores=tuple(record.scores) if generation_config.output_scores else None,
         logits=tuple(record.logits) if generation_config.output_logits else None,
@@ -123,13 +131,13 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
     bound_streamer = streamer
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus=False, streamer=None, **model_kwargs):
+                      synced_gpus=False, streamer=None, inputs_tensor=None, **model_kwargs):
         if streamer is None and bound_streamer is not None:
             # transformers put the prompt only into a streamer it was given; this one it never saw.
             streamer = bound_streamer
             streamer.put(input_ids.cpu())
         return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                              streamer, config, stats, proposer, generator, model_kwargs)
+                              streamer, config, stats, proposer, generator, model_kwargs, inputs_tensor)
 
     return decoding_loop
 
@@ -137,7 +145,7 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
 def generate(model, input_ids=None, logits_processor=None, stopping_criteria=None, generation_config=None,
              synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
              max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
-             proposer=None, generator: torch.Generator | None = None, **model_kwargs):
+             proposer=None, generator: torch.Generator | None = None, inputs_tensor=None, **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
 
     As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
@@ -173,4 +181,4 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                          options, stats, proposer, generator, model_kwargs)
+                          options, stats, proposer, generator, model_kwargs, inputs_tensor)

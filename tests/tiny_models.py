@@ -83,7 +83,41 @@ RECURRENT = {
                   num_experts=2, mamba_d_state=4, mamba_dt_rank=4),
 }
 
-ALL = {**DECODER_ONLY, **WINDOWED, **RECURRENT}
+# Encoder-decoder: the decoder verifies, drafts also copy the encoder's input (lookup_decode/encdec.py).
+_SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=1024,
+                init_std=0.1, pad_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+ENCODER_DECODER = {
+    "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(**_SEQ2SEQ, bos_token_id=1, forced_eos_token_id=2)),
+    "pegasus": lambda: tf.PegasusForConditionalGeneration(tf.PegasusConfig(**_SEQ2SEQ)),
+    "marian": lambda: tf.MarianMTModel(tf.MarianConfig(**_SEQ2SEQ)),
+    "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)),
+}
+
+ALL = {**DECODER_ONLY, **WINDOWED, **RECURRENT, **ENCODER_DECODER}
+
+
+def bart_copier(steps: int = 150, seed: int = 0):
+    """A 1-layer BART trained for a few seconds to copy its input: a stand-in for a summarizer that quotes.
+
+    Random weights never copy the source, so only a trained model shows drafts from the encoder input
+    being accepted. Trained on random 24-token sequences (CPU, 1 thread, about 5 s); deterministic.
+    """
+    torch.manual_seed(seed)
+    model = tf.BartForConditionalGeneration(tf.BartConfig(**{
+        **_SEQ2SEQ, "encoder_layers": 1, "decoder_layers": 1, "init_std": 0.05, "dropout": 0.0,
+        "max_position_embeddings": 256}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        src = torch.randint(3, VOCAB, (32, 24), generator=gen)
+        loss = model(input_ids=src, labels=src).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
