@@ -89,4 +89,6 @@ def crop(cache, n_remove: int) -> None:
 
     Called for 0 too: sliding-window and conv layers recording their past shrink back to their window.
     """
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache   # its crop() refuses static caches; the cross-attention part never changes
     cache.crop(-n_remove)
