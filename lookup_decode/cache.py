@@ -50,9 +50,12 @@ def _layers(cache) -> list:
 
 def _refuse(cache, model, layer_names: list[str]) -> UnsupportedCacheError:
     names = ", ".join(sorted(set(layer_names)))
+    hint = "use plain model.generate for this model/cache"
+    if any(name.startswith("Static") for name in layer_names):
+        hint = "the default dynamic cache rolls back (drop cache_implementation='static'), or use plain model.generate"
     return UnsupportedCacheError(
         f"{type(model).__name__} with {type(cache).__name__}: layer cache {names} cannot roll back rejected "
-        f"draft tokens exactly; use plain model.generate for this model/cache")
+        f"draft tokens exactly; {hint}")
 
 
 def check_croppable(cache, model) -> None:

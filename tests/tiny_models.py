@@ -120,6 +120,6 @@ def bart_copier(steps: int = 150, seed: int = 0):
     return model.eval()
 
 
-def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     torch.manual_seed(seed)
-    return ALL[name]().to(dtype).eval()
+    return ALL[name]().to(device=device, dtype=dtype).eval()
