@@ -17,15 +17,16 @@ from test_model_coverage import assert_same_greedy
 # Near-tie tolerance on the logits per dtype: about the rounding step of a logit of size ~4.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-FAMILIES = ["llama", "qwen2", "gpt2", "phi3", "falcon", "gemma2", "bart", "t5"]
+# float32 is every other coverage test; half precision for every family that rolls back.
+FAMILIES = sorted([*tiny_models.DECODER_ONLY, *tiny_models.WINDOWED, *tiny_models.ENCODER_DECODER])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_dtype(name, dtype, device):
     model = tiny_models.build(name, dtype=dtype, device=device)
-    source = repetitive_prompt(0, length=16).to(device)
+    source = repetitive_prompt(0, length=16).to(device)     # 52 tokens: past the sliding window (24)
     greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=40)
     ref = model.generate(source, return_dict_in_generate=True, output_logits=True, **greedy)
     stats = DecodeStats()
