@@ -17,7 +17,7 @@ import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from lookup_decode.cache import cache_argument, check_croppable, new_cache
+from lookup_decode.cache import cache_argument, check_croppable, crop, new_cache
 from lookup_decode import encdec
 from lookup_decode.config import LookupConfig
 from lookup_decode.decode import Recorded, _Forward, lookup_generate
@@ -109,8 +109,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if not generation_config.return_dict_in_generate:
         return sequences
     crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache
-    if cache.get_seq_length() > crop_to:
-        cache.crop(crop_to - cache.get_seq_length())
+    if int(cache.get_seq_length()) > crop_to:
+        crop(cache, int(cache.get_seq_length()) - crop_to)
     output_class = GenerateEncoderDecoderOutput if source is not None else GenerateDecoderOnlyOutput
     return output_class(
         sequences=sequences,

@@ -101,3 +101,14 @@ def test_draft_model_proposer_refused():
     draft = DraftModelProposer(tiny_models.build("llama"))
     with pytest.raises(ValueError, match="BartForConditionalGeneration: draft-model proposers"):
         lookup(model, repetitive_prompt(0), DecodeStats(), n_new=4, proposer=draft)
+
+
+def test_direct_call_and_static_cache_with_return_dict():
+    model = tiny_models.build("bart")
+    source = repetitive_prompt(1, length=16)
+    ref = plain(model, source, n_new=24)
+    got = lookup_decode.generate(model, source, max_new_tokens=24, do_sample=False, eos_token_id=None, min_match=1)
+    assert got.tolist() == ref.sequences.tolist()
+    out = lookup(model, source, DecodeStats(), n_new=24, cache_implementation="static", return_dict_in_generate=True)
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert int(out.cache.get_seq_length()) == out.sequences.shape[1] - 1
