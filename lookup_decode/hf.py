@@ -17,8 +17,8 @@ import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from lookup_decode.cache import cache_argument, check_croppable, crop, new_cache
 from lookup_decode import encdec
+from lookup_decode.cache import cache_argument, check_croppable, crop, new_cache
 from lookup_decode.config import LookupConfig
 from lookup_decode.decode import Recorded, _Forward, lookup_generate
 from lookup_decode.index import SuffixIndex

@@ -6,7 +6,8 @@ to k + 1 and recompile for each. Rounding each step's forward size (last token +
 of two keeps it to log2(k) + 1 shapes. Rounding up pads the draft with extra tokens: more of the
 proposer's own draft where it has them, else a filler token. Any draft keeps decoding exact
 (verification accepts a draft token only if the model itself would emit it); a filler just
-costs its share of the forward and is almost always rejected and rolled back.
+costs its share of the forward and is almost always rejected and rolled back (DecodeStats counts
+padded tokens as drafted).
 """
 
 from __future__ import annotations
