@@ -1,9 +1,17 @@
 """KV-cache rollback through the public Cache API, and the one place that knows cache types.
 
-Rejected draft tokens leave their keys/values at the end of the cache; `crop` removes them with
-`Cache.crop(-n)` (transformers 5.x: a negative count drops tokens). Only caches whose every layer
-keeps all past states can be cropped exactly; sliding-window, linear-attention, static and
-encoder-decoder caches raise UnsupportedCacheError instead of silently producing other tokens.
+Rejected draft tokens leave their states at the end of the cache; `crop` removes them with
+`Cache.crop(-n)` (transformers 5.x: a negative count drops tokens). Which path each layer type takes:
+
+* DynamicLayer (full attention): the newest n keys/values are sliced off.
+* StaticLayer (`cache_implementation="static"`, compile-friendly): the write position steps back by
+  n; the stale slots are masked (causal mask over the fixed-size buffer) and overwritten next step.
+* DynamicSlidingWindowLayer (Mistral with sliding_window, Gemma 2/3, Cohere2, ...) and conv-only
+  linear-attention layers: after the prefill `start_rollback` turns on transformers' past recording,
+  so a verify forward keeps the states it would evict until `crop` has dropped the rejected tokens
+  and shrunk the layer back to its window (the mechanism transformers' own assisted decoding uses).
+* Refused with UnsupportedCacheError naming model class and layer type: recurrent (SSM / linear
+  attention) states, quantized layers, static sliding-window layers longer than their window.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ import inspect
 import torch
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache,
+                                      LinearAttentionCacheLayerMixin)
 
 
 class UnsupportedCacheError(ValueError):
@@ -34,24 +43,78 @@ def new_cache(model) -> DynamicCache:
     return DynamicCache(config=model.config)
 
 
+def _layers(cache) -> list:
+    # Encoder-decoder: only the decoder's self-attention states ever take draft tokens; the
+    # cross-attention states (keys/values of the encoder output) are written once and never cropped.
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    return list(cache.layers)
+
+
+def _refuse(cache, model, layer_names: list[str]) -> UnsupportedCacheError:
+    names = ", ".join(sorted(set(layer_names)))
+    hint = "use plain model.generate for this model/cache"
+    if any(name.startswith("Static") for name in layer_names):
+        hint = "the default dynamic cache rolls back (drop cache_implementation='static'), or use plain model.generate"
+    return UnsupportedCacheError(
+        f"{type(model).__name__} with {type(cache).__name__}: layer cache {names} cannot roll back rejected "
+        f"draft tokens exactly; {hint}")
+
+
 def check_croppable(cache, model) -> None:
-    """Raise UnsupportedCacheError unless every layer of `cache` can drop its newest tokens exactly."""
-    where = f"{type(model).__name__} with {type(cache).__name__}"
-    if not isinstance(cache, DynamicCache):
-        raise UnsupportedCacheError(
-            f"{where}: lookup decoding rolls back rejected drafts and supports DynamicCache only "
-            f"(static and encoder-decoder caches are not supported yet)")
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:  # subclasses (sliding window, ...) drop states on their own
-            raise UnsupportedCacheError(
-                f"{where}: layer cache {type(layer).__name__} cannot roll back rejected draft tokens "
-                f"exactly (sliding-window/hybrid caches are not supported yet)")
+    """Before the prefill: raise UnsupportedCacheError for caches that can never drop tokens exactly.
+
+    Linear-attention layers are decided after the prefill (`start_rollback`): only then does the layer
+    know whether it holds a recurrent state (not croppable) or conv states only (croppable).
+    """
+    if not isinstance(cache, Cache):
+        raise UnsupportedCacheError(f"{type(model).__name__}: expected a transformers Cache, got {type(cache).__name__}")
+    layers = _layers(cache)
+    bad = [type(layer).__name__ for layer in layers
+           if not isinstance(layer, LinearAttentionCacheLayerMixin) and not layer.is_croppable]
+    if layers and not any(isinstance(layer, CacheLayerMixin) for layer in layers):
+        bad = [type(layer).__name__ for layer in layers]   # recurrent only (Mamba-like): no attention layer at all
+    if bad:
+        raise _refuse(cache, model, bad)
+
+
+def start_rollback(cache, model) -> None:
+    """After the prefill: check every layer can roll back, then make windowed layers keep their past.
+
+    Recording starts only now so a long prompt does not keep states a sliding-window layer would drop
+    (transformers' generate does the same, for the same memory reason).
+    """
+    bad = [type(layer).__name__ for layer in _layers(cache) if not layer.is_croppable]
+    if bad:
+        raise _refuse(cache, model, bad)
+    cache.activate_past_recording()
 
 
 def crop(cache, n_remove: int) -> None:
-    """Drop the newest `n_remove` tokens from every layer (no-op for 0)."""
-    if n_remove > 0:
-        cache.crop(-n_remove)
+    """Drop the newest `n_remove` tokens from every layer.
+
+    Called for 0 too: sliding-window and conv layers recording their past shrink back to their window.
+    """
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache   # its crop() refuses static caches; the cross-attention part never changes
+    cache.crop(-n_remove)
+
+
+def check_batchable(cache, model) -> None:
+    """Batches keep masked hole columns (batch.py): only full-attention DynamicLayers index keys by column.
+
+    A sliding window counts columns, not a row's own tokens, and an encoder-decoder or static cache
+    has its own layout, so these raise UnsupportedCacheError for batch > 1 (one row at a time works).
+    """
+    name = f"{type(model).__name__} with {type(cache).__name__}"
+    if getattr(model.config, "is_encoder_decoder", False) or not isinstance(cache, DynamicCache):
+        raise UnsupportedCacheError(f"{name}: batched lookup decoding supports decoder-only models with a "
+                                    "DynamicCache; generate one row at a time")
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer or getattr(model.config, "sliding_window", None) and \
+                getattr(model.config, "use_sliding_window", True):
+            raise UnsupportedCacheError(f"{name}: batched lookup decoding needs full-attention layers (got "
+                                        f"{type(layer).__name__}); generate one row at a time")
 
 
 def compact(cache, mask: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from lookup_decode.cache import crop
+from lookup_decode.cache import crop, start_rollback
 from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
+from lookup_decode.shapes import BUCKETS, bucketed_draft
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
 from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_sampled, accept_with_draft_probs
@@ -40,15 +41,20 @@ def _sync(device: torch.device) -> None:
 class _Forward:
     """model(ids, cache) -> float32 logits of the last `n_logits` positions, [n_logits, V]."""
 
-    def __init__(self, model, cache, cache_arg: str, supports_logits_to_keep: bool):
+    def __init__(self, model, cache, cache_arg: str, supports_logits_to_keep: bool, input_name: str = "input_ids",
+                 extra: dict | None = None):
         self.model, self.cache, self.cache_arg = model, cache, cache_arg
         self.keep = supports_logits_to_keep
+        # Encoder-decoder models (encdec.py): ids go in as decoder_input_ids, with the encoder output.
+        self.input_name, self.extra = input_name, extra or {}
+        # A static cache is there to be compiled: keep forward sizes to a few buckets (shapes.py).
+        self.buckets = bool(getattr(cache, "is_compileable", False))
 
     def __call__(self, ids: torch.Tensor, n_logits: int) -> torch.Tensor:
-        kwargs = {self.cache_arg: self.cache, "use_cache": True}
+        kwargs = {self.cache_arg: self.cache, "use_cache": True, **self.extra}
         if self.keep:
             kwargs["logits_to_keep"] = n_logits
-        logits = self.model(input_ids=ids, **kwargs).logits
+        logits = self.model(**{self.input_name: ids}, **kwargs).logits
         return logits[0, -n_logits:].to(torch.float32)
 
     def seconds(self, ids: torch.Tensor) -> float:
@@ -64,10 +70,14 @@ class _Forward:
 
 def _cost_curve(model, forward: _Forward, last: torch.Tensor, k: int) -> CostCurve:
     """The model's measured cost curve, measured once per (device, dtype) up to at least 33 tokens."""
-    key = (str(last.device), str(next(model.parameters()).dtype))
+    key = (str(last.device), str(next(model.parameters()).dtype), forward.buckets)
     curves = _COST_CURVES.setdefault(model, {})
     if key not in curves or curves[key].max_n < k + 1:
-        curves[key] = measure_cost_curve(lambda n: forward.seconds(last.expand(1, n)), max(k + 1, 33))
+        grid = None
+        if forward.buckets:  # static cache: time bucket sizes only, and only those that fit the cache
+            room = int(forward.cache.get_max_length()) - int(forward.cache.get_seq_length())
+            grid = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
+        curves[key] = measure_cost_curve(lambda n: forward.seconds(last.expand(1, n)), max(k + 1, 33), grid)
     return curves[key]
 
 
@@ -124,6 +134,7 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
 
     # 1. Prefill: the prompt enters the cache; its last row gives the first token.
     logits = forward(input_ids, 1)
+    start_rollback(forward.cache, model)     # from here on every forward can be rolled back
     if adaptive and policy.k > 0 and policy.cost is None:
         policy.cost = _cost_curve(model, forward, input_ids[:, -1:], policy.k)
     emitted, scores = _verify(logits_processor, ids, T, ids[0, :0], logits, uniforms)
@@ -155,7 +166,11 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         full = proposer.propose(min(policy.k, max_length - cur - 1))
         match_len = proposer.match_len
         n = policy.choose(len(full), match_len)
-        draft = torch.from_numpy(full[:n]).to(device=ids.device, dtype=torch.long)
+        chosen = full[:n]
+        if forward.buckets:
+            chosen = bucketed_draft(full, n, min(policy.k, max_length - cur - 1), filler=0)
+            n = len(chosen)
+        draft = torch.from_numpy(chosen).to(device=ids.device, dtype=torch.long)
         stats.proposer_s += time.perf_counter() - t
 
         # 4. Verify: one forward over [last token, d_1..d_n] gives n + 1 rows of target scores.

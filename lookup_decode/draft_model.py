@@ -37,6 +37,7 @@ class DraftModelProposer:
         self.device = next(draft_model.parameters()).device
         self.cache = new_cache(draft_model)
         check_croppable(self.cache, draft_model)
+        self.cache.activate_past_recording()   # sliding-window layers keep what speculative tokens evict
         self._cache_arg = cache_argument(draft_model)
         self.tokens: list[int] = []      # every accepted token, prompt included
         self.draft_probs: torch.Tensor | None = None   # q of the last proposal, float [d, V]

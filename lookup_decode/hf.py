@@ -15,10 +15,11 @@ import inspect
 
 import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from lookup_decode import encdec
 from lookup_decode.batch import BatchForward, check_batch_memory, lookup_generate_batch
-from lookup_decode.cache import cache_argument, check_croppable, new_cache
+from lookup_decode.cache import cache_argument, check_batchable, check_croppable, crop, new_cache
 from lookup_decode.config import LookupConfig
 from lookup_decode.decode import Recorded, _Forward, lookup_generate
 from lookup_decode.index import SuffixIndex
@@ -39,8 +40,6 @@ def _eos_ids(generation_config) -> list[int]:
 def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
     """Clear errors for what lookup decoding cannot do (yet), before any forward runs."""
     name = type(model).__name__
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; lookup_decode supports decoder-only models for now")
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
@@ -114,6 +113,7 @@ def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     """Batches (or a left-padded row): one suffix index per row, ragged acceptance (see batch.py)."""
     B = input_ids.shape[0]
     _check_streamer(streamer, input_ids)
+    check_batchable(cache, model)
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         raise ValueError("output_scores/output_logits are not supported for batches yet; generate rows one by one")
     if proposer is not None and sources:
@@ -161,7 +161,7 @@ def _vocab_size(model) -> int:
 
 def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                    options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs,
-                   sources=()):
+                   sources=(), inputs_tensor=None):
     _check_request(model, input_ids, generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
@@ -174,7 +174,12 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                            options, stats, proposer, generator, cache, cache_argument(model), keep_logits,
                            model_kwargs, sources)
-    forward = _Forward(model, cache, cache_argument(model), keep_logits)
+    source, input_name, extra = None, "input_ids", None
+    if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
+        encdec.check_proposer(model, proposer)
+        source = encdec.source_ids(model, inputs_tensor, model_kwargs)
+        input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
+    forward = _Forward(model, cache, cache_argument(model), keep_logits, input_name, extra)
     if hasattr(proposer, "check_compatible"):
         proposer.check_compatible(model)
     if proposer is not None and sources:
@@ -185,6 +190,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         if sources:  # session memory / reference documents (memory.py, sources.py)
             proposer = with_sources(proposer, sources, _vocab_size(model), min_match=options.min_match,
                                     max_match=options.max_match, eos_token_ids=_eos_ids(generation_config))
+    if source is not None:
+        proposer.extend(source[0])
     record = Recorded() if generation_config.return_dict_in_generate else None
     sequences = lookup_generate(
         model, input_ids, forward=forward, proposer=proposer, policy=DraftPolicy(options.k),
@@ -198,9 +205,10 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if not generation_config.return_dict_in_generate:
         return sequences
     crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache
-    if cache.get_seq_length() > crop_to:
-        cache.crop(crop_to - cache.get_seq_length())
-    return GenerateDecoderOnlyOutput(
+    if int(cache.get_seq_length()) > crop_to:
+        crop(cache, int(cache.get_seq_length()) - crop_to)
+    output_class = GenerateEncoderDecoderOutput if source is not None else GenerateDecoderOnlyOutput
+    return output_class(
         sequences=sequences,
         scores=tuple(record.scores) if generation_config.output_scores else None,
         logits=tuple(record.logits) if generation_config.output_logits else None,
@@ -221,14 +229,15 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
     sources = check_sources(memory, references)
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus=False, streamer=None, **model_kwargs):
+                      synced_gpus=False, streamer=None, inputs_tensor=None, **model_kwargs):
         if streamer is None and bound_streamer is not None:
             # transformers put the prompt only into a streamer it was given; this one it never saw.
             streamer = bound_streamer
             _check_streamer(streamer, input_ids)
             streamer.put(input_ids.cpu())
         return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                              streamer, config, stats, proposer, generator, model_kwargs, sources)
+                              streamer, config, stats, proposer, generator, model_kwargs, sources=sources,
+                              inputs_tensor=inputs_tensor)
 
     return decoding_loop
 
@@ -237,7 +246,7 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
              synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
              max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
              proposer=None, generator: torch.Generator | None = None, memory=None, references=None,
-             **model_kwargs):
+             inputs_tensor=None, **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
 
     As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
@@ -276,4 +285,5 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
     return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                          options, stats, proposer, generator, model_kwargs, check_sources(memory, references))
+                          options, stats, proposer, generator, model_kwargs, sources=check_sources(memory, references),
+                          inputs_tensor=inputs_tensor)

@@ -62,9 +62,13 @@ class CostCurve:
         self.shape[n] += _COST_EMA * (seconds / self.scale - self.shape[n])
 
 
-def measure_cost_curve(forward_n: Callable[[int], float], max_n: int) -> CostCurve:
-    """Time `forward_n(n)` (which returns seconds) at a few sizes up to max_n and build the curve."""
-    grid = sorted({n for n in (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, max_n) if n <= max_n})
+def measure_cost_curve(forward_n: Callable[[int], float], max_n: int, grid=None) -> CostCurve:
+    """Time `forward_n(n)` (which returns seconds) at a few sizes up to max_n and build the curve.
+
+    grid: the sizes to time (a compiled forward is timed only at the sizes it will run).
+    """
+    grid = sorted(grid or {n for n in (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, max_n)
+                           if n <= max_n})
     forward_n(grid[-1])  # warm-up: first use of a shape allocates
     seconds = [min(forward_n(n), forward_n(n)) if n <= 2 else forward_n(n) for n in grid]
     return CostCurve(grid, seconds, max_n)

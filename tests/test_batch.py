@@ -9,6 +9,7 @@ import lookup_decode
 import lookup_decode.batch as batch_module
 import lookup_decode.decode as decode_module
 import test_sampling as ts
+import tiny_models
 from conftest import TINY_ARCHS, VOCAB, chat_ids, make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats
 from lookup_decode.batch import check_batch_memory, choose_width
@@ -267,3 +268,29 @@ def test_batch_with_memory_equals_plain_and_drafts_from_it(tiny_llama):
             assert_same_or_near_tie(ours[b, ids.shape[1]:].tolist(), theirs[b, ids.shape[1]:].tolist(), logits[b])
     assert len(memory) == 3
     assert sum(e.accepted for e in memory.entries()) > 0, "guard: rows drafted from memory"
+
+
+@pytest.mark.parametrize("family", sorted(tiny_models.DECODER_ONLY))
+def test_batch_on_every_decoder_only_family(family):
+    """Batch of 3 mixed-length prompts: each row equals plain batched generate, or a clear refusal."""
+    model = tiny_models.build(family)
+    prompts = mixed_prompts(3, seed=2)
+    ids, mask = left_pad(prompts)
+    theirs, logits = plain_batch(model, ids, mask, 24, eos_token_id=None)
+    stats = DecodeStats()
+    try:
+        ours = lookup_batch(model, ids, mask, 24, stats, eos_token_id=None)
+    except ValueError as e:                      # refused before any forward, naming the model
+        assert type(model).__name__ in str(e)
+        pytest.skip(f"refused: {e}")
+    for b in range(len(prompts)):
+        assert_same_or_near_tie(ours[b, ids.shape[1]:].tolist(), theirs[b, ids.shape[1]:].tolist(), logits[b])
+    assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding_window", "gemma2"])
+def test_batch_with_sliding_window_is_refused(family):
+    model = tiny_models.build(family)
+    ids, mask = left_pad(mixed_prompts(2))
+    with pytest.raises(lookup_decode.UnsupportedCacheError, match=type(model).__name__):
+        lookup_batch(model, ids, mask, 8, DecodeStats())

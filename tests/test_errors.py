@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MambaConfig, MambaForCausalLM
 
 import lookup_decode
 from conftest import VOCAB, repetitive_prompt
@@ -76,12 +76,11 @@ def test_bad_options(tiny_llama, option, value, message):
         hooked(tiny_llama, repetitive_prompt(0), **kw)
 
 
-def test_sliding_window_cache_refused():
+def test_recurrent_cache_refused():
+    # Sliding-window caches now roll back (tests/test_model_coverage.py); a recurrent state cannot.
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, sliding_window=16)).eval()
-    with pytest.raises(UnsupportedCacheError, match="MistralForCausalLM.*DynamicSlidingWindowLayer"):
+    model = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2)).eval()
+    with pytest.raises(UnsupportedCacheError, match="MambaForCausalLM.*LinearAttentionLayer"):
         hooked(model, repetitive_prompt(0))
 
 
