@@ -8,7 +8,7 @@ match length (longest first), then by how often that first token follows the mat
 The "verifier" keeps the longest prefix of any branch that equals the true continuation, plus one
 token (what tree verification with one target token per node keeps, greedy). Reports tokens per step
 and tree nodes (draft tokens) per step: the forward size a tree costs. No model, no timing; the tree
-verification itself (mask, cache compaction, sampling) is not implemented in the package yet.
+verification itself is `lookup_decode/tree.py` (opt-in TreeProposer), whose `branches` builds these trees.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -28,42 +27,7 @@ from benchmarks.replay import CAPS, RESULTS, SETS, load_pairs
 from lookup_decode.bench import load_tokenizer
 from lookup_decode.config import LookupConfig
 from lookup_decode.index import SuffixIndex
-
-
-def branches(index: SuffixIndex, k: int, width: int, eos) -> list[np.ndarray]:
-    """Up to `width` drafts (int32 [<= k] each) with pairwise different first tokens; [0] is the index's."""
-    main = index.propose(k)
-    out = [main] if len(main) else []
-    t, L = index.tokens, len(index)
-    if width <= 1 or k <= 0 or L < 2:
-        return out
-    ends = np.flatnonzero(t[: L - 1] == t[L - 1])
-    ends = ends[ends + 1 < L]
-    if len(ends) == 0:
-        return out
-    lens = np.ones(len(ends), dtype=np.int64)                # match length of each occurrence, <= 64
-    alive = np.ones(len(ends), dtype=bool)
-    for m in range(1, LookupConfig.max_match):
-        ok = alive & (ends - m >= 0)
-        ok[ok] = t[ends[ok] - m] == t[L - 1 - m]
-        lens += ok
-        alive = ok
-        if not alive.any():
-            break
-    firsts = t[ends + 1]
-    freq = Counter(firsts.tolist())
-    used = {int(main[0])} if len(main) else set()
-    for j in sorted(range(len(ends)), key=lambda j: (-lens[j], -freq[int(firsts[j])], -ends[j])):
-        if len(out) >= width:
-            break
-        first = int(firsts[j])
-        if first in used or first in eos:
-            continue
-        used.add(first)
-        b = t[ends[j] + 1: min(ends[j] + 1 + k, L)]
-        at_eos = np.flatnonzero(np.isin(b, list(eos)))
-        out.append(b[: at_eos[0]] if len(at_eos) else b.copy())
-    return out
+from lookup_decode.tree import branches
 
 
 def replay_tree(pairs, cap: int, width: int, eos) -> dict:
@@ -74,7 +38,8 @@ def replay_tree(pairs, cap: int, width: int, eos) -> dict:
         pos, n = 0, len(output)
         while pos < n:
             best = 0
-            tree = branches(index, min(cap, n - pos - 1), width, eos)
+            k = min(cap, n - pos - 1)
+            tree = branches(index, index.propose(k), k, width)
             for b in tree:
                 same = b == output[pos: pos + len(b)]
                 best = max(best, len(b) if same.all() else int(np.argmin(same)))
