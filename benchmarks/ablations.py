@@ -2,8 +2,9 @@
 
 * `SubstitutionKey` — a tolerant key (issue 8, item 3): after a miss, when the index's own match is
   shorter than `min_len`, assume the corrected token *replaced* the source token and keep copying
-  from the source one past it (match ignoring the just-corrected token). Replay: fewer tokens per
-  step on every set but mt_redundant (see benchmarks/results/replay/), so the package does not use it.
+  from the source one past it (match ignoring the just-corrected token). Full replay: fewer tokens per
+  step on 5 of 6 sets (clapnq: +0.01 at cap 10, +0.04 at cap 32) and a lower modelled speed-up on every
+  set (benchmarks/results/replay/), so the package does not use it.
 
 Same replay protocol as `baselines.py`: `propose(max_tokens) -> int32 [d]`, `extend(tokens)`, `match_len`.
 """
