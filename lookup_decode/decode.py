@@ -158,7 +158,9 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         n = policy.choose(len(full), match_len)
         draft = torch.from_numpy(full[:n]).to(device=ids.device, dtype=torch.long)
         # 3b. Opt-in trees (tree.py): other continuations of the suffix as extra branches of n tokens.
-        tree = build_tree(proposer.propose_tree(full[:n], n)) if n > 0 and hasattr(proposer, "propose_tree") else None
+        tree = None
+        if n > 0 and hasattr(proposer, "propose_tree"):
+            tree = build_tree(proposer.propose_tree(full[:n], n))
         stats.proposer_s += time.perf_counter() - t
 
         # 4. Verify: one forward over [last token, d_1..d_n] gives n + 1 rows of target scores.
