@@ -160,7 +160,7 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
         # 3b. Opt-in trees (tree.py): other continuations of the suffix as extra branches of n tokens.
         tree = None
         if n > 0 and hasattr(proposer, "propose_tree"):
-            tree = build_tree(proposer.propose_tree(full[:n], n))
+            tree = build_tree(proposer.propose_tree(full[:n], n), policy.tree_budget(n))
         stats.proposer_s += time.perf_counter() - t
 
         # 4. Verify: one forward over [last token, d_1..d_n] gives n + 1 rows of target scores.

@@ -113,6 +113,15 @@ class DraftPolicy:
         cost = np.array([self.cost(d + 1) for d in range(max_d + 1)])
         return int(np.argmax(gain / cost))
 
+    def tree_budget(self, n: int) -> int | None:
+        """Most tree nodes worth verifying when the chain verifies n: extra branches only where the measured
+        curve says they are free, i.e. the largest m >= n with cost(m + 1) <= cost(n + 1). None = no cost
+        model (no limit). A flat (GPU-like) curve allows wide trees; a steep CPU curve allows few or none."""
+        if self.cost is None:
+            return None
+        base = self.cost(n + 1)
+        return max([m for m in range(n, self.cost.max_n) if self.cost(m + 1) <= base])
+
     def observe(self, draft: np.ndarray, emitted: np.ndarray, match_len: int) -> None:
         """Learn from the full proposed draft (int [p]) and the tokens this step emitted (int [e])."""
         n = min(len(draft), len(emitted))

@@ -11,9 +11,10 @@ are exactly those of chain verification of the branch that was followed, so gree
 token-identical and sampling stays exact (each emitted token is one draw from the target row of its
 own prefix). Afterwards the cache keeps the context, the last token and the accepted path only.
 
-Status: opt-in (`TreeProposer(width > 1)`); each branch is cut to the draft length the cost model
-chose for the chain, so a tree costs up to `width` times that many tokens per forward — the cost model
-does not price the extra branches yet.
+Status: opt-in (`TreeProposer(width > 1)`). Each branch is cut to the draft length the cost model chose
+for the chain, and with the cost model on (adaptive) the extra branches only fill the tokens the measured
+cost curve gives for free (`DraftPolicy.tree_budget`): wide trees where a forward's cost is flat in its
+length (GPU), few or none on a steep CPU curve. The acceptance model does not price the branches yet.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ class Tree:
         return int(self.tokens.numel())
 
 
-def build_tree(branches) -> Tree:
+def build_tree(branches, budget: int | None = None) -> Tree:
     """A tree from drafts (int [d_i] each; shared prefixes are merged). Empty branches are skipped.
 
+    budget: most nodes in all (None: no limit); a branch that would exceed it is cut, so earlier
+    branches (the chain first) keep their length.
     Example: [[5, 6, 7], [5, 8], [9]] -> tokens [5, 6, 7, 8, 9], parents [-1, 0, 1, 0, -1].
     """
     tokens, parents, depth, child = [], [], [], {}
@@ -50,6 +53,8 @@ def build_tree(branches) -> Tree:
         for tok in (int(t) for t in branch):
             key = (node, tok)
             if key not in child:
+                if budget is not None and len(tokens) >= budget:
+                    break
                 child[key] = len(tokens)
                 tokens.append(tok)
                 parents.append(node)

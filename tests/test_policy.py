@@ -69,3 +69,16 @@ def test_expected_emitted_matches_brute_force():
         policy = policy_with(32, cost, a1, a2, match_len=5)
         got = policy.expected_emitted(5, 32)
         assert np.allclose(got, [brute_expected_emitted(a1, a2, d) for d in range(33)])
+
+
+def test_tree_budget_uses_only_free_tokens():
+    flat = DraftPolicy(32, CostCurve([1, 33], [1.0, 1.0], 33))
+    steep = DraftPolicy(32, CostCurve([1, 33], [1.0, 3.0], 33))
+    dip = DraftPolicy(32, CostCurve([1, 8, 9, 12, 33], [1.0, 1.8, 1.4, 1.9, 5.0], 33))
+    assert flat.tree_budget(4) == 32                # cost does not grow: every extra node is free
+    assert steep.tree_budget(4) == 4                # every extra node costs: chain only
+    assert dip.tree_budget(6) == 9                  # 10 tokens cost no more than 7 on this curve
+    assert DraftPolicy(32, None).tree_budget(4) is None
+    for n in range(0, 32):
+        m = dip.tree_budget(n)
+        assert m >= n and dip.cost(m + 1) <= dip.cost(n + 1)

@@ -150,3 +150,21 @@ def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):  # noqa
     counts = sample_counts(model, tree_sampler(DecodeStats(), torch.Generator().manual_seed(1), spy), **gen_kwargs)
     assert spy.trees > 0
     assert chi_square_pvalue(counts, target) < ALPHA
+
+
+def test_build_tree_budget_cuts_later_branches_first():
+    tree = build_tree([[5, 6, 7], [5, 8, 9], [4, 4]], budget=4)
+    assert tree.tokens.tolist() == [5, 6, 7, 8]      # the shared 5 is free; 9 and the third branch are cut
+    assert build_tree([[1, 2]], budget=0).size == 0
+
+
+def test_tree_with_cost_model_equals_plain_generate(tiny_llama):
+    # adaptive: the measured curve decides how many tree nodes are free; output must not change.
+    for seed in range(3):
+        prompt = branching_prompt(seed)
+        ref = tiny_llama.generate(prompt, max_new_tokens=30, eos_token_id=None, **GREEDY)
+        stats = DecodeStats()
+        got = tiny_llama.generate(prompt, max_new_tokens=30, eos_token_id=None, **GREEDY,
+                                  custom_generate=lookup_decode.generate, stats=stats, k=6,
+                                  proposer=TreeProposer(width=4, min_match=1))
+        assert got.tolist() == ref.tolist(), seed
