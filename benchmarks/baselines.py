@@ -13,6 +13,19 @@ the context (O(n) per step), as the originals do.
   suffix occurs earlier (the occurrence may overlap the suffix); among occurrences of that length the
   earliest; the draft is the k tokens after it, ending at the current end at most. No EOS cut.
   vLLM's default is min_n = max_n = 5.
+* `SuffixDecoding` — ArcticInference's SuffixDecoding (Oliaro et al. 2024) as vLLM runs it for one
+  request (`method="suffix"`, defaults max_tree_depth 24, max_spec_factor 1.0, min_token_prob 0.1,
+  offset 0, path drafts): a suffix tree of depth D over prompt + output counts, for every string s
+  of at most D tokens, its occurrences. For every match length m = 1 .. D - 1 whose last m tokens
+  occur, it walks down from that node choosing the most frequent next token, multiplying
+  prob *= count(child) / count(node), while prob >= min_token_prob, for at most
+  min(k, floor(m * max_spec_factor + offset)) tokens and at most D - m (the tree's depth bounds
+  match + draft); the draft with the highest score (sum of prob) wins, the longer match on ties.
+  With no history of other requests, its global tree holds only this response, which the request's
+  own tree already covers. The original's tie between equally frequent children is unspecified
+  (hash-map order); here the one whose continuation occurs first wins.
+* `SelectionOracle` — the bound of choosing occurrences: knows the true continuation and copies from
+  the best occurrence of the current last token (so of any matching suffix).
 * `ContextCopyOracle` — the ceiling of drafting by copying one span of the context: it knows the
   true continuation and drafts the longest prefix of it that occurs anywhere in prompt + output so far.
 """
@@ -118,6 +131,105 @@ class VllmNgram(_Context):
             return np.zeros(0, np.int32)
         self.match_len = longest
         return t[best + 1: min(best + 1 + k, L)].copy()
+
+
+class SuffixDecoding(_Context):
+    """SuffixDecoding's path rule over one request's prompt + output (see the module docstring).
+
+    Example: tokens [1,2,3,1,2,3,1,2], D = 24, factor 1. The suffix itself is one of the counted
+    occurrences (as in the original tree), so "1 2" (m = 2; 3 occurrences, 2 continue with 3) drafts
+    [3, 1] with prob 2/3 each (score 1.33); m = 3, 4, 5 occur twice: [3, 1, 2] with prob 1/2 each
+    (score 1.5); the longest of the best wins -> [3, 1, 2] with match_len 5.
+    """
+
+    def __init__(self, tokens, k: int = 32, max_tree_depth: int = 24, max_spec_factor: float = 1.0,
+                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1):
+        super().__init__(tokens)
+        self.k, self.depth, self.factor = k, max_tree_depth, max_spec_factor
+        self.offset, self.min_prob = max_spec_offset, min_token_prob
+
+    def _path(self, starts: np.ndarray, m: int, max_tokens: int) -> tuple[list[int], float]:
+        """Most-frequent path below the string t[starts[0]:starts[0]+m] (starts: all its occurrences)."""
+        t, L = self.tokens, self.n
+        draft, prob, score = [], 1.0, 0.0
+        depth = m
+        while len(draft) < max_tokens and depth < self.depth:
+            alive = starts[starts + depth < L]          # occurrences with a next token
+            if len(alive) == 0:
+                break
+            nxt = t[alive + depth]
+            vals, first, counts = np.unique(nxt, return_index=True, return_counts=True)
+            best = np.flatnonzero(counts == counts.max())
+            pick = best[np.argmin(first[best])]      # tie: the continuation seen first
+            prob *= counts[pick] / len(starts)
+            if prob < self.min_prob:
+                break
+            draft.append(int(vals[pick]))
+            score += prob
+            starts = alive[nxt == vals[pick]]
+            depth += 1
+        return draft, score
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        t, L = self.tokens, self.n
+        k = min(self.k, max_tokens)
+        self.match_len = 0
+        best, best_score = [], 0.0
+        if L == 0 or k <= 0:
+            return np.zeros(0, np.int32)
+        starts = np.flatnonzero(t[:L] == t[L - 1])    # occurrences of the last m tokens (m = 1)
+        for m in range(1, min(self.depth, L)):        # pattern = last D tokens; match_len < len(pattern)
+            if m > 1:
+                starts = starts[starts >= 1] - 1
+                starts = starts[t[starts] == t[L - m]]
+            if len(starts) == 0:
+                break
+            max_m = max(min(k, int(m * self.factor + self.offset + 1e-6)), 0)
+            draft, score = self._path(starts, m, max_m)
+            if score >= best_score:
+                best, best_score, self.match_len = draft, score, m
+        return np.asarray(best, dtype=np.int32)
+
+
+class SelectionOracle(_Context):
+    """Bound of every occurrence-choosing rule: knows the true continuation and copies from the
+    earlier occurrence of the last token (any match length >= 1) whose continuation keeps the most.
+
+    The context-copy ceiling may start a copy anywhere; a suffix-matching proposer must start right
+    after an occurrence of the current suffix, so this bound is what choosing the occurrence can
+    reach at best. output: the whole true continuation (int [n]).
+    """
+
+    def __init__(self, tokens, output):
+        super().__init__(tokens)
+        self.output = np.asarray(output, dtype=np.int32)
+        self.pos = 0
+
+    def extend(self, tokens) -> None:
+        super().extend(tokens)
+        self.pos += len(tokens)
+
+    def propose(self, max_tokens: int) -> np.ndarray:
+        t, L = self.tokens, self.n
+        future = self.output[self.pos: self.pos + max_tokens]
+        self.match_len = 0
+        if len(future) == 0 or L < 2:
+            return np.zeros(0, np.int32)
+        starts = np.flatnonzero(t[: L - 1] == t[L - 1]) + 1    # continuation starts, all < L
+        kept = np.zeros(len(starts), dtype=np.int64)
+        alive = np.ones(len(starts), dtype=bool)
+        for j in range(len(future)):                          # kept[i]: prefix of future copied from starts[i]
+            ok = alive & (starts + j < L)
+            ok[ok] = t[starts[ok] + j] == future[j]
+            kept += ok
+            alive = ok
+            if not alive.any():
+                break
+        if len(starts) == 0 or kept.max() == 0:
+            return np.zeros(0, np.int32)                      # nothing would be kept: draft nothing
+        best = int(starts[np.argmax(kept)])
+        self.match_len = 1
+        return t[best: min(best + max_tokens, L)].copy()
 
 
 class ContextCopyOracle(_Context):

@@ -11,7 +11,11 @@ those of `DecodeStats`: mean accepted length counts the bonus token; per-positio
 steps that kept draft position i over steps that drafted anything (vLLM's convention).
 
 Proposers: lookup_decode's SuffixIndex (default LookupConfig), transformers' prompt lookup, vLLM's n-gram rule
-(its default 5..5 and a 2..5 setting), and the context-copy ceiling (an oracle; see baselines.py).
+(its default 5..5 and a 2..5 setting), SuffixDecoding (ArcticInference's rule, vLLM defaults), and the
+context-copy ceiling (an oracle; see baselines.py). Ablations of lookup_decode's rules: `ablate_no_resync`
+(local re-sync after a miss off: earliest occurrence), `ablate_substitution_key` (a tolerant key that
+lost; benchmarks/ablations.py), and `selection_oracle`, the bound of any rule choosing among the
+occurrences of the current suffix.
 With --cost-curve (a bench_generate results.json holding `forward_cost`), each step is also priced
 as one forward over draft + 1 tokens on that machine, which adds an estimated speed-up column and
 the adaptive (cost-aware) lookup_decode policy.
@@ -32,7 +36,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import workloads
-from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup, VllmNgram
+from benchmarks.ablations import SubstitutionKey
+from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SuffixDecoding, TransformersPromptLookup,
+                                  VllmNgram)
 from lookup_decode.bench import (chat_ids, environment, estimated_speedup, load_tokenizer, replay,
                                  spread)
 from lookup_decode.config import LookupConfig
@@ -52,7 +58,17 @@ PROPOSERS = {
                                                                         max_matching_ngram_size=2, eos_token_ids=eos),
     "vllm_ngram_5_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=5, max_n=5),
     "vllm_ngram_2_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=2, max_n=5),
+    "suffix_decoding": lambda p, o, cap, eos: SuffixDecoding(p, k=cap),
     "context_copy_ceiling": lambda p, o, cap, eos: ContextCopyOracle(p, o),
+    # Ablations of lookup_decode's rules (issue 8): each mechanism off, or a variant that lost.
+    "ablate_no_resync": lambda p, o, cap, eos: SuffixIndex(p, min_match=LookupConfig.min_match,
+                                                           max_match=LookupConfig.max_match, eos_token_ids=eos,
+                                                           resync_window=0),
+    "ablate_substitution_key": lambda p, o, cap, eos: SubstitutionKey(p, min_len=2, eos_token_ids=eos,
+                                                                      min_match=LookupConfig.min_match,
+                                                                      max_match=LookupConfig.max_match),
+    # Bound of any occurrence-choosing rule (knows the future; see baselines.SelectionOracle).
+    "selection_oracle": lambda p, o, cap, eos: SelectionOracle(p, o),
 }
 ADAPTIVE = "lookup_decode_adaptive"
 

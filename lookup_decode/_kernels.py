@@ -15,8 +15,12 @@ import numpy as np
 from numba import njit
 
 # meta[] slots: the automaton's scalar state, kept in one int64 array so kernels can update it.
-N_TOKENS, N_STATES, N_EDGES, LAST, MATCH_END, MATCH_LEN = range(6)
-META_SIZE = 6
+# ANCHOR: where the copied source region was expected to continue when the copy last broke (-1: none).
+N_TOKENS, N_STATES, N_EDGES, LAST, MATCH_END, MATCH_LEN, ANCHOR = range(7)
+META_SIZE = 7
+# Local re-sync compares at most this many tokens backwards per candidate; a longer global match is
+# taken as is (it is strong evidence already, and the bound keeps a miss O(window * LOCAL_MAX)).
+LOCAL_MAX = 64
 _EMPTY = -1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -71,22 +75,52 @@ def init_automaton(slen, slink, sfirst, shead, meta):
     """Reset meta and create the root state (empty string)."""
     meta[:] = 0
     meta[MATCH_END] = -1
+    meta[ANCHOR] = -1
     _new_state(slen, slink, sfirst, shead, meta, 0, -1, -1)
     meta[LAST] = 0
 
 
 @njit(cache=True, nogil=True)
-def extend(toks, slen, slink, sfirst, shead, etok, eto, enext, hkey, hval, meta, new):
+def local_match(toks, i, length, anchor, window):
+    """End of the occurrence of the `length`-token suffix of toks[:i + 1] whose continuation starts
+    nearest to `anchor`, within `window` of it (ties: the earlier one); -1 when none.
+
+    Only occurrences ending before i count. Cost O(window * length).
+    """
+    lo = max(anchor - window - 1, length - 1)
+    hi = min(anchor + window - 1, i - 1)
+    best, best_dist = -1, window + 1
+    for e in range(lo, hi + 1):
+        if toks[e] != toks[i]:
+            continue
+        m = 1
+        while m < length and toks[e - m] == toks[i - m]:
+            m += 1
+        dist = abs(e + 1 - anchor)
+        if m == length and dist < best_dist:
+            best, best_dist = e, dist
+    return best
+
+
+@njit(cache=True, nogil=True)
+def extend(toks, slen, slink, sfirst, shead, etok, eto, enext, hkey, hval, meta, new, window):
     """Append `new` (int32 [m]) to the text and update the automaton and the current match.
 
     Buffers must already hold room for the result: toks >= n + m, states >= 2(n + m) + 1,
     edges >= 3(n + m), hash slots >= 2 * edges (index.py guarantees it). Amortized O(1) per token.
 
-    Match rule, applied after each token c at position i: if the earlier occurrence being copied
-    (ending at meta[MATCH_END]) continues with c, follow it (the match grows by one and stays
-    aligned with the same source region); otherwise jump to the earliest earlier occurrence of
-    the longest suffix that has one. Either way meta[MATCH_LEN] is the length of the longest
-    suffix of the text that also ends before i (0 when none does).
+    Match rule, applied after each token c at position i:
+    1. Follow: if the earlier occurrence being copied (ending at meta[MATCH_END]) continues with c,
+       follow it (the match grows by one and stays aligned with the same source region).
+    2. Re-sync: otherwise the copy broke. The source token after the old match end is taken as
+       replaced by c, so the region would continue one further (the anchor; with no match at all,
+       the anchor advances by one per token). Among occurrences of the longest matching suffix
+       whose continuation starts within `window` of the anchor, take the nearest (ties: the
+       earlier), so small insertions, deletions and substitutions stay in the same region.
+       Skipped when window == 0 or the suffix is longer than LOCAL_MAX.
+    3. Otherwise jump to the earliest earlier occurrence of the longest matching suffix.
+    Either way meta[MATCH_LEN] is the length of the longest suffix of the text that also ends
+    before i (0 when none does); the rules only choose which of its occurrences is copied.
     """
     for t in range(new.shape[0]):
         c = np.int64(new[t])
@@ -126,9 +160,18 @@ def extend(toks, slen, slink, sfirst, shead, etok, eto, enext, hkey, hval, meta,
             meta[MATCH_END] = end + 1
             meta[MATCH_LEN] += 1
         else:
+            if meta[MATCH_LEN] > 0:
+                meta[ANCHOR] = end + 2
+            elif meta[ANCHOR] >= 0:
+                meta[ANCHOR] += 1
             s = slink[cur]
-            meta[MATCH_LEN] = slen[s]
-            meta[MATCH_END] = sfirst[s] if slen[s] > 0 else -1
+            length = slen[s]
+            meta[MATCH_LEN] = length
+            meta[MATCH_END] = sfirst[s] if length > 0 else -1
+            if window > 0 and 0 < length <= LOCAL_MAX and meta[ANCHOR] >= 0:
+                e = local_match(toks, i, length, meta[ANCHOR], window)
+                if e >= 0:
+                    meta[MATCH_END] = e
 
 
 @njit(cache=True, nogil=True)

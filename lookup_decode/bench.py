@@ -114,7 +114,8 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
 class Variant:
     """One way of generating: plain, transformers' prompt lookup, or lookup_decode with options."""
     name: str
-    lookup: dict | None = None                               # lookup_decode options (k, min_match, adaptive, ...)
+    lookup: dict | None = None                               # lookup_decode options (k, min_match, adaptive, ...;
+                                                             # tree_width > 1: a TreeProposer of that width)
     generate_kwargs: dict = field(default_factory=dict)      # extra model.generate kwargs
 
     def describe(self) -> str:
@@ -158,7 +159,14 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
     stats = None
     if variant.lookup is not None:
         stats = DecodeStats()
-        kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **variant.lookup)
+        lookup = dict(variant.lookup)
+        width = lookup.pop("tree_width", 1)
+        if width > 1:   # trees: a fresh TreeProposer per run (a proposer holds one request's text)
+            from lookup_decode.tree import TreeProposer
+            eos = model.generation_config.eos_token_id
+            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            lookup["proposer"] = TreeProposer(width=width, min_match=lookup.get("min_match", 1), eos_token_ids=eos)
+        kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **lookup)
     sync(input_ids.device)
     start = time.perf_counter()
     out = model.generate(input_ids, **kwargs)

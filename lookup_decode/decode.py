@@ -19,6 +19,7 @@ from lookup_decode.policy import CostCurve, DraftPolicy, measure_cost_curve
 from lookup_decode.shapes import BUCKETS, bucketed_draft
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
+from lookup_decode.tree import build_tree, tree_step
 from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_sampled, accept_with_draft_probs
 
 # Measured forward-cost curves per model, kept for the model's lifetime: calibration costs a few
@@ -50,8 +51,8 @@ class _Forward:
         # A static cache is there to be compiled: keep forward sizes to a few buckets (shapes.py).
         self.buckets = bool(getattr(cache, "is_compileable", False))
 
-    def __call__(self, ids: torch.Tensor, n_logits: int) -> torch.Tensor:
-        kwargs = {self.cache_arg: self.cache, "use_cache": True, **self.extra}
+    def __call__(self, ids: torch.Tensor, n_logits: int, **extra) -> torch.Tensor:
+        kwargs = {self.cache_arg: self.cache, "use_cache": True, **self.extra, **extra}
         if self.keep:
             kwargs["logits_to_keep"] = n_logits
         logits = self.model(**{self.input_name: ids}, **kwargs).logits
@@ -171,18 +172,29 @@ def lookup_generate(model, input_ids: torch.Tensor, *, forward: _Forward, propos
             chosen = bucketed_draft(full, n, min(policy.k, max_length - cur - 1), filler=0)
             n = len(chosen)
         draft = torch.from_numpy(chosen).to(device=ids.device, dtype=torch.long)
+        # 3b. Opt-in trees (tree.py): other continuations of the suffix as extra branches of n tokens.
+        # Not with bucketed (compiled) shapes or an encoder-decoder's decoder: their forwards take no tree mask.
+        tree = None
+        if n > 0 and hasattr(proposer, "propose_tree") and not forward.buckets and forward.input_name == "input_ids":
+            tree = build_tree(proposer.propose_tree(full[:n], n), policy.tree_budget(n))
         stats.proposer_s += time.perf_counter() - t
 
         # 4. Verify: one forward over [last token, d_1..d_n] gives n + 1 rows of target scores.
         t = time.perf_counter()
-        ids[0, cur: cur + n] = draft
-        logits = forward(ids[:, cur - 1: cur + n], n + 1)
-        emitted, scores = _verify(logits_processor, ids, cur, draft, logits,
-                                  None if uniforms is None else uniforms[cur - T:],
-                                  getattr(proposer, "draft_probs", None), generator)
-        n_kept = emitted.numel() - 1
-        # 5. Roll back: the cache keeps the last token and the accepted drafts only.
-        crop(forward.cache, n - n_kept)
+        if tree is not None and tree.size > n:
+            # 4b/5b. A tree: one forward over [last token, nodes], descend, cache rolled to the path.
+            emitted, scores, logits = tree_step(forward, ids, cur, tree, logits_processor,
+                                                None if uniforms is None else uniforms[cur - T:])
+            n, n_kept = tree.size, emitted.numel() - 1
+        else:
+            ids[0, cur: cur + n] = draft
+            logits = forward(ids[:, cur - 1: cur + n], n + 1)
+            emitted, scores = _verify(logits_processor, ids, cur, draft, logits,
+                                      None if uniforms is None else uniforms[cur - T:],
+                                      getattr(proposer, "draft_probs", None), generator)
+            n_kept = emitted.numel() - 1
+            # 5. Roll back: the cache keeps the last token and the accepted drafts only.
+            crop(forward.cache, n - n_kept)
         elapsed = time.perf_counter() - t
         stats.model_s += elapsed
         stats.observe(n, n_kept)

@@ -18,13 +18,14 @@ _N_BUCKETS = 8          # match length buckets: 1, 2-3, 4-7, ..., >= 128 (powers
 _FORGET = 0.97          # per observation; recent behaviour matters more (output style drifts)
 _COST_EMA = 0.2
 
-# Prior acceptance per match-length bucket, measured by offline replay of the suffix index on the
-# shared real large-model outputs (cnn_dm, hagrid, code_edit, mt_redundant, editeval, clapnq; 60 pairs
-# each, cap 32): P(first draft token kept) rises with the match length; once one token is kept the
-# next ones usually are too (a copy continues). Worth a few observations only: each request's own
-# acceptance takes over within a few steps.
-_PRIOR_FIRST = np.array([0.25, 0.55, 0.68, 0.78, 0.90, 0.95, 0.97, 0.97])
-_PRIOR_LATER = np.array([0.80, 0.90, 0.91, 0.93, 0.95, 0.97, 0.98, 0.98])
+# Prior acceptance per match-length bucket, measured by offline replay of the suffix index (with its
+# re-sync rule) on the shared real large-model outputs (cnn_dm, hagrid, code_edit, mt_redundant, editeval,
+# clapnq; 60 pairs each, cap 32; `python -m benchmarks.measure_priors`): P(first draft token kept) rises
+# with the match length; once one token is kept the next ones usually are too (a copy continues). The
+# last bucket is never reached with the default max_match (64) and copies its neighbour. Worth a few
+# observations only: each request's own acceptance takes over within a few steps.
+_PRIOR_FIRST = np.array([0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99])
+_PRIOR_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
 _PRIOR_WEIGHT = 4.0
 
 
@@ -115,6 +116,15 @@ class DraftPolicy:
         gain = self.expected_emitted(match_len, max_d)
         cost = np.array([self.cost(d + 1) for d in range(max_d + 1)])
         return int(np.argmax(gain / cost))
+
+    def tree_budget(self, n: int) -> int | None:
+        """Most tree nodes worth verifying when the chain verifies n: extra branches only where the measured
+        curve says they are free, i.e. the largest m >= n with cost(m + 1) <= cost(n + 1). None = no cost
+        model (no limit). A flat (GPU-like) curve allows wide trees; a steep CPU curve allows few or none."""
+        if self.cost is None:
+            return None
+        base = self.cost(n + 1)
+        return max([m for m in range(n, self.cost.max_n) if self.cost(m + 1) <= base])
 
     def observe(self, draft: np.ndarray, emitted: np.ndarray, match_len: int) -> None:
         """Learn from the full proposed draft (int [p]) and the tokens this step emitted (int [e])."""

@@ -12,7 +12,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the repo, not installed
 
 from benchmarks import report  # noqa: E402
-from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup, VllmNgram  # noqa: E402
+from benchmarks.ablations import SubstitutionKey  # noqa: E402
+from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SuffixDecoding,  # noqa: E402
+                                  TransformersPromptLookup, VllmNgram)
 from lookup_decode import bench  # noqa: E402
 from lookup_decode.index import SuffixIndex  # noqa: E402
 from lookup_decode.policy import CostCurve  # noqa: E402
@@ -127,12 +129,22 @@ OUTPUT = [4, 1, 2, 7, 1, 2, 3, 4]
 # match of 2 tokens (no draft); after "1,2" the earliest occurrence drafts [3] (capped: 1 token left
 # before the last) -> kept + bonus 4. transformers PLD falls back to 1-grams: after "7,1" the first
 # "1" (position 0) drafts [2,3] -> kept + bonus 4. vLLM (2..5) behaves as ours here. The oracle copies
-# [4,1,2] then [1,2,3] (both occur in the context).
+# [4,1,2] then [1,2,3] (both occur in the context). The hand-worked lookup_decode row has re-sync off
+# (resync_window=0); with it on, the copy of the prompt broke at "7" (anchor: position 7), so "1,2"
+# re-syncs to the nearest occurrence, the output's own "1,2,7" (positions 8-10): drafts [7], wrong
+# (truth 3); "3" then has no token left to draft for.
 @pytest.mark.parametrize("make,draft_lengths,accepted_at", [
-    (lambda: SuffixIndex(PROMPT, min_match=2), [3, 0, 0, 1], [2, 1, 1]),
+    (lambda: SuffixIndex(PROMPT, min_match=2, resync_window=0), [3, 0, 0, 1], [2, 1, 1]),
+    (lambda: SuffixIndex(PROMPT, min_match=2), [3, 0, 0, 1, 0], [1, 1, 1]),
     (lambda: TransformersPromptLookup(PROMPT, num_output_tokens=3), [3, 0, 2], [2, 2, 1]),
     (lambda: VllmNgram(PROMPT, k=3, min_n=2, max_n=5), [3, 0, 0, 1], [2, 1, 1]),
     (lambda: ContextCopyOracle(PROMPT, OUTPUT), [3, 3], [2, 2, 2]),
+    # SuffixDecoding: "1 2 3" (m = 3, 2 occurrences incl. the suffix itself) drafts [4,1,2] (prob 1/2
+    # each); "7" has no continuation; after "7,1" the 1-gram "1" (3 of 4 occurrences go on with 2,
+    # draft capped at floor(1 * factor) = 1 token) drafts [2] -> kept + bonus 3; then 0 tokens left.
+    (lambda: SuffixDecoding(PROMPT, k=3), [3, 0, 1, 0], [2, 1, 1]),
+    # Selection oracle: after "7,1" it copies from the "1" whose continuation is "2,3" (position 1).
+    (lambda: SelectionOracle(PROMPT, OUTPUT), [3, 0, 2], [2, 2, 1]),
 ])
 def test_replay_hand_worked(make, draft_lengths, accepted_at):
     stats = bench.replay(make(), OUTPUT, cap=3)
@@ -399,3 +411,90 @@ def test_aggregate_per_category_with_and_without_loops():
                                          "variant_descriptions": names},
                             "aggregate": agg})
     assert "| code | 1 |" in text and "without loop-dominated prompts" in text
+
+
+def suffix_decoding_brute_force(t, k, depth=24, factor=1.0, min_prob=0.1):
+    """SuffixDecoding's path rule from explicit substring counts (a depth-limited count trie)."""
+    L = len(t)
+
+    def count(s):
+        return sum(1 for i in range(L - len(s) + 1) if t[i:i + len(s)] == s)
+
+    def first_at(s):
+        return min(i for i in range(L - len(s) + 1) if t[i:i + len(s)] == s)
+
+    best, best_score, best_m = [], 0.0, 0
+    for m in range(1, min(depth, L)):
+        s = t[L - m:]
+        if count(s) == 0:
+            break
+        draft, prob, score, node = [], 1.0, 0.0, list(s)
+        while len(draft) < min(k, int(m * factor + 1e-6)) and len(node) < depth:
+            children = {c: count(node + [c]) for c in set(t)}
+            children = {c: n for c, n in children.items() if n > 0}
+            if not children:
+                break
+            top = max(children.values())
+            c = min((c for c, n in children.items() if n == top), key=lambda c: first_at(node + [c]))
+            prob *= top / count(node)
+            if prob < min_prob:
+                break
+            draft.append(c)
+            score += prob
+            node.append(c)
+        if score >= best_score:
+            best, best_score, best_m = draft, score, m
+    return best, best_m
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_suffix_decoding_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        t = rng.integers(0, 3, size=int(rng.integers(1, 40))).tolist()
+        k, depth = int(rng.integers(1, 12)), int(rng.integers(2, 10))
+        factor = float(rng.choice([0.5, 1.0, 2.0]))
+        got = SuffixDecoding(t, k=k, max_tree_depth=depth, max_spec_factor=factor)
+        draft = got.propose(100).tolist()
+        assert (draft, got.match_len if draft else 0) == \
+            (lambda d, m: (d, m if d else 0))(*suffix_decoding_brute_force(t, k, depth, factor)), (t, k, depth)
+
+
+def test_suffix_decoding_docstring_example():
+    p = SuffixDecoding([1, 2, 3, 1, 2, 3, 1, 2])
+    assert p.propose(10).tolist() == [3, 1, 2] and p.match_len == 5
+
+
+def test_selection_oracle_matches_brute_force():
+    rng = np.random.default_rng(8)
+    kept_any = 0
+    for _ in range(100):
+        t = rng.integers(0, 3, size=int(rng.integers(2, 25))).tolist()
+        future = rng.integers(0, 3, size=int(rng.integers(1, 8))).tolist()
+        L = len(t)
+
+        def kept(start):
+            n = 0
+            while n < len(future) and start + n < L and t[start + n] == future[n]:
+                n += 1
+            return n
+        best = max((kept(e + 1) for e in range(L - 1) if t[e] == t[L - 1]), default=0)
+        draft = SelectionOracle(t, future).propose(100).tolist()
+        assert kept_of(draft, future) == best
+        kept_any += best > 0
+    assert kept_any > 20
+
+
+def kept_of(draft, future):
+    n = 0
+    while n < min(len(draft), len(future)) and draft[n] == future[n]:
+        n += 1
+    return n
+
+
+def test_substitution_key_skips_the_replaced_token():
+    # Source 5 6 7 8 9 copied as 5 6 X: "X" matches nothing, so the draft resumes one past 7.
+    p = SubstitutionKey([0, 5, 6, 7, 8, 9, 0, 5], min_len=2)
+    assert p.propose(2).tolist() == [6, 7]
+    p.extend([6, 42])
+    assert p.propose(3).tolist() == [8, 9, 0]

@@ -11,7 +11,7 @@ from lookup_decode import SuffixIndex
 
 
 def trace_of(index_tokens_chunks, **kw):
-    """(match_len, match_end) after every token, extending one chunk at a time."""
+    """(match_len, match_end) after every token, extending one token at a time."""
     index = SuffixIndex(min_match=1, max_match=10**6, **kw)
     out = []
     for chunk in index_tokens_chunks:
@@ -28,13 +28,30 @@ def trace_of(index_tokens_chunks, **kw):
     ([5], 5, []),                                   # length 1
     ([], 5, []),                                    # empty
     ([7, 7, 7, 7], 3, [7]),                         # all equal: follows the earliest occurrence
-    ([1, 2, 9, 1, 2, 8, 3, 1, 2], 2, [9, 1]),       # tie between two 2-grams: earliest wins
+    ([1, 2, 9, 4, 1, 2, 8, 3, 1, 2], 2, [8, 3]),    # tie between two 2-grams: nearest the re-sync anchor wins
     ([1, 2, 3, 5, 0, 2, 3, 6, 1, 2, 3], 1, [5]),     # longer match (1,2,3) beats the later (2,3)
 ])
 def test_worked_examples(tokens, max_tokens, expected):
     index = SuffixIndex(tokens, min_match=1)
     assert index.propose(max_tokens).tolist() == expected
     assert reference.draft(tokens, max_tokens) == expected
+
+
+@pytest.mark.parametrize("tokens, window, expected", [
+    # "1 2" copies from 0, breaks at 8 (source had 9): the anchor is 3; the next "1 2" re-syncs to the
+    # occurrence at 3-4, nearest the anchor, not the earliest at 0-1.
+    ([1, 2, 9, 1, 2, 8, 3, 1, 2], 64, [8, 3]),
+    ([1, 2, 9, 1, 2, 8, 3, 1, 2], 0, [9, 1]),        # rule 2 off: earliest occurrence
+    # A rewritten line: source "5 6 7 1 8 9 1 4 4", copy "5 6 X 1 8" -> after the substituted X,
+    # "1" re-syncs to the source's next "1" (8 follows), not its first "1" in the prompt head.
+    ([1, 0, 5, 6, 7, 1, 8, 9, 1, 4, 4, 5, 6, 2, 1], 64, [8, 9]),
+    ([1, 0, 5, 6, 7, 1, 8, 9, 1, 4, 4, 5, 6, 2, 1], 0, [0, 5]),
+    ([1, 0, 5, 6, 7, 1, 8, 9, 1, 4, 4, 5, 6, 2, 1], 1, [8, 9]),   # anchor 5, occurrence start 6: within 1
+])
+def test_resync_after_a_miss(tokens, window, expected):
+    index = SuffixIndex(tokens, min_match=1, resync_window=window)
+    assert index.propose(2).tolist() == expected
+    assert reference.draft(tokens, 2, window=window) == expected
 
 
 def test_min_match_gates_drafts():
@@ -83,9 +100,32 @@ def test_accepts_numpy_and_torch_and_rejects_bad_ids():
 
 
 @settings(max_examples=300, deadline=None)
-@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=300))
-def test_trace_equals_reference(tokens):
-    assert trace_of([tokens]) == reference.match_trace(tokens)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=300), window=st.sampled_from([0, 1, 3, 64]))
+def test_trace_equals_reference(tokens, window):
+    assert trace_of([tokens], resync_window=window) == reference.match_trace(tokens, window)
+
+
+def test_resync_is_exercised_and_bounded():
+    # Guard against the re-sync rule passing vacuously: on noisy repeats it must choose other
+    # occurrences than the earliest-occurrence rule, with the same match lengths.
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 4, 600).tolist()
+    with_resync, without = reference.match_trace(tokens, 64), reference.match_trace(tokens, 0)
+    assert trace_of([tokens]) == with_resync
+    assert [m for m, _ in with_resync] == [m for m, _ in without]
+    assert sum(a != b for a, b in zip(with_resync, without)) > 50
+    # Mutated copies of a long block: matches longer than LOCAL_MAX (64) break and re-sync too.
+    base = rng.integers(0, 4, 150)
+    parts = [base]
+    for _ in range(4):
+        copy = base.copy()
+        at = rng.integers(0, 150, 3)
+        copy[at] = rng.integers(0, 4, 3)
+        parts.append(np.delete(copy, rng.integers(0, 147)))
+    tokens = np.concatenate(parts).tolist()
+    trace = trace_of([tokens])
+    assert trace == reference.match_trace(tokens, 64)
+    assert max(m for m, _ in trace) > 64
 
 
 @settings(max_examples=200, deadline=None)
@@ -94,6 +134,8 @@ def test_trace_equals_reference(tokens):
 def test_propose_equals_reference(tokens, max_tokens, min_match, eos):
     index = SuffixIndex(tokens, min_match=min_match, eos_token_ids=sorted(eos))
     assert index.propose(max_tokens).tolist() == reference.draft(tokens, max_tokens, min_match, eos)
+    index = SuffixIndex(tokens, min_match=min_match, eos_token_ids=sorted(eos), resync_window=0)
+    assert index.propose(max_tokens).tolist() == reference.draft(tokens, max_tokens, min_match, eos, window=0)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,84 @@
+"""DraftPolicy's cost model: the chosen draft length against brute force on synthetic cost curves."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookup_decode.policy import CostCurve, DraftPolicy, _bucket
+
+
+def brute_expected_emitted(a1: float, a2: float, d: int) -> float:
+    """E[tokens emitted | d drafted]: the target token, plus draft j kept with prob a1 * a2^(j-1)."""
+    return 1.0 + sum(a1 * a2 ** (j - 1) for j in range(1, d + 1))
+
+
+def policy_with(k: int, cost: CostCurve, a1: float, a2: float, match_len: int) -> DraftPolicy:
+    policy = DraftPolicy(k, cost)
+    b = _bucket(match_len)
+    policy.first[b] = (a1 * 100.0, 100.0)
+    policy.later[b] = (a2 * 100.0, 100.0)
+    return policy
+
+
+@settings(max_examples=300, deadline=None)
+@given(seconds=st.lists(st.floats(0.01, 1.0), min_size=3, max_size=12),
+       a1=st.floats(0.0, 1.0), a2=st.floats(0.0, 1.0), match_len=st.integers(1, 200),
+       k=st.integers(1, 40), available=st.integers(0, 40))
+def test_never_picks_a_draft_whose_gain_is_below_its_cost(seconds, a1, a2, match_len, k, available):
+    # A synthetic, non-monotone cost curve: random seconds at sizes 1, 4, 7, ... (linear in between).
+    sizes = [1 + 3 * i for i in range(len(seconds))]
+    cost = CostCurve(sizes, seconds, max_n=k + 1)
+    policy = policy_with(k, cost, a1, a2, match_len)
+    d = policy.choose(available, match_len)
+    max_d = min(k, available)
+    assert 0 <= d <= max_d
+    rate = [brute_expected_emitted(a1, a2, j) / cost(j + 1) for j in range(max_d + 1)]
+    # Expected tokens per second of the choice: never below plain decoding (d = 0), i.e. the expected
+    # extra tokens pay for the extra forward cost, and never below any other draft length.
+    assert rate[d] >= rate[0] * (1 - 1e-9)
+    assert rate[d] >= max(rate) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("a1, a2, expect", [
+    (0.9, 0.95, "long"),     # strong evidence: the dip of the curve at 9 tokens or beyond
+    (0.05, 0.5, "none"),     # weak evidence: drafting costs more than it brings
+])
+def test_choices_on_a_non_monotone_curve(a1, a2, expect):
+    # CPU-like curve: rises to 8 tokens, cheaper at 9 (a better kernel shape), then rises again.
+    sizes = [1, 2, 4, 8, 9, 16, 33]
+    seconds = [1.0, 1.1, 1.3, 1.8, 1.4, 2.6, 5.0]
+    cost = CostCurve(sizes, seconds, max_n=33)
+    d = policy_with(32, cost, a1, a2, match_len=8).choose(32, 8)
+    rates = [brute_expected_emitted(a1, a2, j) / cost(j + 1) for j in range(33)]
+    assert d == int(np.argmax(rates))
+    if expect == "long":
+        assert d >= 8
+    else:
+        assert d == 0
+
+
+def test_without_cost_model_verifies_everything_available():
+    assert DraftPolicy(16, None).choose(40, 3) == 16
+    assert DraftPolicy(16, None).choose(5, 3) == 5
+
+
+def test_expected_emitted_matches_brute_force():
+    cost = CostCurve([1, 33], [1.0, 2.0], 33)
+    for a1, a2 in [(0.3, 0.7), (1.0, 1.0), (0.0, 0.9), (0.6, 0.0)]:
+        policy = policy_with(32, cost, a1, a2, match_len=5)
+        got = policy.expected_emitted(5, 32)
+        assert np.allclose(got, [brute_expected_emitted(a1, a2, d) for d in range(33)])
+
+
+def test_tree_budget_uses_only_free_tokens():
+    flat = DraftPolicy(32, CostCurve([1, 33], [1.0, 1.0], 33))
+    steep = DraftPolicy(32, CostCurve([1, 33], [1.0, 3.0], 33))
+    dip = DraftPolicy(32, CostCurve([1, 8, 9, 12, 33], [1.0, 1.8, 1.4, 1.9, 5.0], 33))
+    assert flat.tree_budget(4) == 32                # cost does not grow: every extra node is free
+    assert steep.tree_budget(4) == 4                # every extra node costs: chain only
+    assert dip.tree_budget(6) == 9                  # 10 tokens cost no more than 7 on this curve
+    assert DraftPolicy(32, None).tree_budget(4) is None
+    for n in range(0, 32):
+        m = dip.tree_budget(n)
+        assert m >= n and dip.cost(m + 1) <= dip.cost(n + 1)

@@ -1,0 +1,170 @@
+"""Trees of candidates: construction, mask, cache compaction, and exactness end to end."""
+
+import numpy as np
+import pytest
+import torch
+
+import lookup_decode
+import lookup_decode.decode as decode_module
+from conftest import VOCAB, make_tiny
+from lookup_decode import DecodeStats
+from lookup_decode.tree import TreeProposer, accept_tree, build_tree, tree_mask
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+def test_build_tree_merges_shared_prefixes():
+    tree = build_tree([[5, 6, 7], [5, 8], [9], []])
+    assert tree.tokens.tolist() == [5, 6, 7, 8, 9]
+    assert tree.parents.tolist() == [-1, 0, 1, 0, -1]
+    assert tree.depth.tolist() == [1, 2, 3, 2, 1]
+
+
+def test_tree_mask_sees_ancestors_only():
+    tree = build_tree([[5, 6], [9]])
+    mask = tree_mask(tree, past=2, dtype=torch.float32, device="cpu")[0, 0] == 0
+    assert mask.tolist() == [
+        [True, True, True, False, False, False],    # root: past + itself
+        [True, True, True, True, False, False],     # 5: past, root, itself
+        [True, True, True, True, True, False],      # 6: past, root, 5, itself
+        [True, True, True, False, False, True],     # 9: past, root, itself (not 5, 6)
+    ]
+
+
+def test_accept_tree_descends_on_matching_tokens():
+    tree = build_tree([[5, 6, 7], [9, 4]])               # nodes: 5 6 7 9 4
+    best = {0: 9, 4: 4, 5: 1}                            # row -> argmax: root says 9, node 9 says 4, node 4 says 1
+
+    def rows(r, path):
+        out = torch.zeros(1, VOCAB)
+        out[0, best.get(r, 0)] = 1.0
+        return out
+    emitted, path, used = accept_tree(tree, rows, None)
+    assert emitted.tolist() == [9, 4, 1] and path == [3, 4] and len(used) == 3
+
+
+def branching_prompt(seed: int) -> torch.Tensor:
+    """A block repeated with different continuations after the same 3-token key: trees have branches."""
+    rng = np.random.default_rng(seed)
+    key = rng.integers(3, VOCAB, 3).tolist()
+    parts = []
+    for _ in range(4):
+        parts += key + rng.integers(3, VOCAB, 5).tolist()
+    return torch.tensor([parts + key])
+
+
+class Spy:
+    """Wraps decode.tree_step: counts trees verified and steps that kept a branch other than the first."""
+
+    def __init__(self, inner):
+        self.inner, self.trees, self.other_branch = inner, 0, 0
+
+    def __call__(self, forward, ids, cur, tree, *args):
+        emitted, scores, logits = self.inner(forward, ids, cur, tree, *args)
+        self.trees += 1
+        if emitted.numel() > 1 and int(emitted[0]) != int(tree.tokens[0]):
+            self.other_branch += 1
+        return emitted, scores, logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_tree_greedy_equals_plain_generate(arch, monkeypatch):
+    model = make_tiny(arch)
+    spy = Spy(decode_module.tree_step)
+    monkeypatch.setattr(decode_module, "tree_step", spy)
+    stats = DecodeStats()
+    for seed in range(6):
+        prompt = branching_prompt(seed)
+        ref = model.generate(prompt, max_new_tokens=40, eos_token_id=None, **GREEDY)
+        got = model.generate(prompt, max_new_tokens=40, eos_token_id=None, **GREEDY,
+                             custom_generate=lookup_decode.generate, stats=stats, adaptive=False, k=6,
+                             proposer=TreeProposer(width=4, min_match=1))
+        assert got.tolist() == ref.tolist(), seed
+    assert stats.accepted > 0 and spy.trees > 0
+    assert spy.other_branch > 0, "guard: a branch other than the chain's was accepted"
+
+
+def test_tree_width_one_is_the_chain(tiny_llama):
+    prompt = branching_prompt(0)
+    outs = [tiny_llama.generate(prompt, max_new_tokens=30, eos_token_id=None, **GREEDY,
+                                custom_generate=lookup_decode.generate, adaptive=False, k=6, proposer=p)
+            for p in (TreeProposer(width=1), lookup_decode.SuffixIndex())]
+    assert outs[0].tolist() == outs[1].tolist()
+
+
+def test_tree_proposer_rejects_bad_width():
+    with pytest.raises(ValueError, match="width"):
+        TreeProposer(width=0)
+
+
+# ----------------------------------------------------------------------------- exact tree sampling
+
+from test_sampling import ALPHA, CONFIGS, PROMPT, chi_square_pvalue, exact_joint, model, sample_counts  # noqa: E402,F401
+
+
+def tree_sampler(stats, generator, spy):
+    def run(model, **gen_kwargs):
+        return model.generate(PROMPT, max_new_tokens=3, do_sample=True, custom_generate=lookup_decode.generate,
+                              k=4, adaptive=False, stats=stats, generator=generator,
+                              proposer=TreeProposer(width=3, min_match=1), **gen_kwargs)
+    return run
+
+
+def test_tree_sampling_matches_the_joint_distribution(model, monkeypatch):  # noqa: F811
+    # One configuration keeps the suite fast; the tree path runs the logits processors per visited
+    # node exactly as the chain's row-by-row path does (top-k/top-p are covered there).
+    gen_kwargs = CONFIGS["temperature_1"]
+    target = exact_joint(model, **gen_kwargs)
+    spy = Spy(decode_module.tree_step)
+    monkeypatch.setattr(decode_module, "tree_step", spy)
+    stats = DecodeStats()
+    counts = sample_counts(model, tree_sampler(stats, torch.Generator().manual_seed(1), spy), **gen_kwargs)
+    assert chi_square_pvalue(counts, target) > ALPHA
+    assert spy.trees > 0 and stats.accepted > 0, "guard: trees were verified and drafts kept"
+    assert spy.other_branch > 0, "guard: a branch other than the chain's was kept"
+
+
+def _descend_first_branch(tree, row_scores, uniforms):
+    """Wrong rule: keeps the first branch whole, then samples one token (ignores the target on the way)."""
+    path, node = [], -1
+    rows = [row_scores(0, [])]
+    while True:
+        kids = [j for j in range(tree.size) if int(tree.parents[j]) == node]
+        if not kids:
+            break
+        node = kids[0]
+        path.append(node)
+        rows.append(row_scores(node + 1, path))
+    from lookup_decode.verify import sample_rows
+    x = sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[len(path): len(path) + 1])
+    return torch.cat([tree.tokens[path], x.long()]), path, rows
+
+
+def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):  # noqa: F811
+    import lookup_decode.tree as tree_module
+    gen_kwargs = CONFIGS["temperature_1"]
+    target = exact_joint(model, **gen_kwargs)
+    monkeypatch.setattr(tree_module, "accept_tree", _descend_first_branch)
+    spy = Spy(decode_module.tree_step)
+    monkeypatch.setattr(decode_module, "tree_step", spy)
+    counts = sample_counts(model, tree_sampler(DecodeStats(), torch.Generator().manual_seed(1), spy), **gen_kwargs)
+    assert spy.trees > 0
+    assert chi_square_pvalue(counts, target) < ALPHA
+
+
+def test_build_tree_budget_cuts_later_branches_first():
+    tree = build_tree([[5, 6, 7], [5, 8, 9], [4, 4]], budget=4)
+    assert tree.tokens.tolist() == [5, 6, 7, 8]      # the shared 5 is free; 9 and the third branch are cut
+    assert build_tree([[1, 2]], budget=0).size == 0
+
+
+def test_tree_with_cost_model_equals_plain_generate(tiny_llama):
+    # adaptive: the measured curve decides how many tree nodes are free; output must not change.
+    for seed in range(3):
+        prompt = branching_prompt(seed)
+        ref = tiny_llama.generate(prompt, max_new_tokens=30, eos_token_id=None, **GREEDY)
+        stats = DecodeStats()
+        got = tiny_llama.generate(prompt, max_new_tokens=30, eos_token_id=None, **GREEDY,
+                                  custom_generate=lookup_decode.generate, stats=stats, k=6,
+                                  proposer=TreeProposer(width=4, min_match=1))
+        assert got.tolist() == ref.tolist(), seed
