@@ -61,7 +61,8 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-    _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
+    if not getattr(model.config, "is_encoder_decoder", False):  # else the mask is the encoder input's
+        _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
     low, high = int(input_ids.min()), int(input_ids.max())
@@ -85,7 +86,9 @@ def _check_attention_mask(mask, input_ids) -> None:
                          "padding: tokenizer.padding_side = 'left'")
 
 
-def _is_batched(input_ids, model_kwargs) -> bool:
+def _is_batched(model, input_ids, model_kwargs) -> bool:
+    if getattr(model.config, "is_encoder_decoder", False):   # attention_mask belongs to the encoder input
+        return input_ids.shape[0] > 1
     mask = model_kwargs.get("attention_mask")
     return input_ids.shape[0] > 1 or (mask is not None and not bool((mask == 1).all()))
 
@@ -170,7 +173,7 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
     keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-    if _is_batched(input_ids, model_kwargs):
+    if _is_batched(model, input_ids, model_kwargs):
         return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                            options, stats, proposer, generator, cache, cache_argument(model), keep_logits,
                            model_kwargs, sources)

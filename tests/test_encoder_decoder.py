@@ -112,3 +112,18 @@ def test_direct_call_and_static_cache_with_return_dict():
     out = lookup(model, source, DecodeStats(), n_new=24, cache_implementation="static", return_dict_in_generate=True)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert int(out.cache.get_seq_length()) == out.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("name", ["bart", "t5"])
+def test_encoder_attention_mask_is_not_the_decoders(name):
+    """A tokenizer's attention_mask covers the encoder input (padded or not), never the decoder's ids."""
+    model = tiny_models.build(name)
+    source = repetitive_prompt(2, length=16)
+    mask = torch.ones_like(source)
+    mask[0, :3] = 0                                            # a left-padded source is still one row
+    for m in (torch.ones_like(source), mask):
+        ref = plain(model, source, attention_mask=m)
+        stats = DecodeStats()
+        got = lookup(model, source, stats, attention_mask=m, k=8, adaptive=False)
+        assert_same_greedy(ref, got, 1)
+        assert stats.accepted > 0
