@@ -228,7 +228,7 @@ def test_width_policy_drafts_less_as_the_batch_grows():
     # Synthetic cost: flat up to 16 tokens, then linear (a device saturates): same evidence per row.
     cost = CostCurve([1, 16, 1024], [1.0, 1.0, 64.0], 1024)
     full = np.arange(32, dtype=np.int32)
-    widths = [choose_width([DraftPolicy(32) for _ in range(rows)], [full] * rows, [8] * rows, cost, 32)
+    widths = [choose_width(DraftPolicy(32), [full] * rows, [8] * rows, cost, 32)
               for rows in (1, 4, 16)]
     assert widths[0] > widths[1] > widths[2] >= 1
 
@@ -236,7 +236,7 @@ def test_width_policy_drafts_less_as_the_batch_grows():
 def test_width_policy_never_drafts_when_nothing_was_proposed():
     cost = CostCurve([1, 64], [1.0, 1.0], 64)
     empty = np.zeros(0, dtype=np.int32)
-    assert choose_width([DraftPolicy(8)] * 3, [empty] * 3, [0] * 3, cost, 8) == 1
+    assert choose_width(DraftPolicy(8), [empty] * 3, [0] * 3, cost, 8) == 1
 
 
 def test_bad_batches_get_clear_errors(tiny_llama):
