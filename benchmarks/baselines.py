@@ -191,14 +191,8 @@ class SuffixDecoding(_Context):
         return np.asarray(best, dtype=np.int32)
 
 
-class SelectionOracle(_Context):
-    """Bound of every occurrence-choosing rule: knows the true continuation and copies from the
-    earlier occurrence of the last token (any match length >= 1) whose continuation keeps the most.
-
-    The context-copy ceiling may start a copy anywhere; a suffix-matching proposer must start right
-    after an occurrence of the current suffix, so this bound is what choosing the occurrence can
-    reach at best. output: the whole true continuation (int [n]).
-    """
+class _KnowsOutput(_Context):
+    """A context that also knows the true continuation (int [n]); `pos` advances with extend()."""
 
     def __init__(self, tokens, output):
         super().__init__(tokens)
@@ -208,6 +202,16 @@ class SelectionOracle(_Context):
     def extend(self, tokens) -> None:
         super().extend(tokens)
         self.pos += len(tokens)
+
+
+class SelectionOracle(_KnowsOutput):
+    """Bound of every occurrence-choosing rule: knows the true continuation and copies from the
+    earlier occurrence of the last token (any match length >= 1) whose continuation keeps the most.
+
+    The context-copy ceiling may start a copy anywhere; a suffix-matching proposer must start right
+    after an occurrence of the current suffix, so this bound is what choosing the occurrence can
+    reach at best. output: the whole true continuation (int [n]).
+    """
 
     def propose(self, max_tokens: int) -> np.ndarray:
         t, L = self.tokens, self.n
@@ -232,20 +236,11 @@ class SelectionOracle(_Context):
         return t[best: min(best + max_tokens, L)].copy()
 
 
-class ContextCopyOracle(_Context):
+class ContextCopyOracle(_KnowsOutput):
     """Drafts the longest prefix of the true continuation that occurs in the context (capped).
 
     output: the whole true continuation (int [n]); the oracle's position in it advances with extend().
     """
-
-    def __init__(self, tokens, output):
-        super().__init__(tokens)
-        self.output = np.asarray(output, dtype=np.int32)
-        self.pos = 0
-
-    def extend(self, tokens) -> None:
-        super().extend(tokens)
-        self.pos += len(tokens)
 
     def propose(self, max_tokens: int) -> np.ndarray:
         t, L = self.tokens, self.n

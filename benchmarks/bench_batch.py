@@ -18,7 +18,6 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -27,7 +26,7 @@ if __package__ in (None, ""):
 from tqdm import tqdm
 
 from benchmarks import workloads
-from lookup_decode.bench import chat_ids, command_line, environment, loop_score, sync
+from lookup_decode.bench import chat_ids, command_line, environment, loop_score, timed_generate
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batch"
@@ -63,17 +62,8 @@ def new_tokens(out, P: int, eos: set[int], pad: int) -> list[list[int]]:
 
 
 def timed(model, ids, mask, max_new_tokens: int, pad: int, lookup: bool):
-    import lookup_decode
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad)
-    stats = None
-    if lookup:
-        stats = DecodeStats()
-        kwargs.update(custom_generate=lookup_decode.generate, stats=stats)
-    sync(ids.device)
-    t = time.perf_counter()
-    out = model.generate(ids, **kwargs)
-    sync(ids.device)
-    return out, time.perf_counter() - t, stats
+    return timed_generate(model, ids, {} if lookup else None, attention_mask=mask, do_sample=False,
+                          max_new_tokens=max_new_tokens, pad_token_id=pad)
 
 
 def measure(model, tokenizer, ids, mask, max_new_tokens: int, repeats: int) -> dict:

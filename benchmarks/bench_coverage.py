@@ -38,7 +38,7 @@ import torch
 import lookup_decode
 from benchmarks import workloads
 from lookup_decode.bench import (chat_ids, command_line, environment, first_mismatch, interleaved_order, loop_score,
-                                 load_tokenizer, sync)
+                                 load_tokenizer, sync, timed_generate)
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coverage"
@@ -58,15 +58,7 @@ def timed(model, input_ids, max_new_tokens: int, variant: dict) -> tuple[list[in
     """(new tokens, seconds, stats) of one greedy generation; new tokens exclude prompt / decoder start."""
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
     kwargs.update({k: v for k, v in variant.items() if k != "lookup"})
-    stats = None
-    if variant.get("lookup"):
-        stats = DecodeStats()
-        kwargs.update(custom_generate=lookup_decode.generate, stats=stats)
-    sync(input_ids.device)
-    start = time.perf_counter()
-    out = model.generate(input_ids, **kwargs)
-    sync(input_ids.device)
-    seconds = time.perf_counter() - start
+    out, seconds, stats = timed_generate(model, input_ids, {} if variant.get("lookup") else None, **kwargs)
     skip = 1 if model.config.is_encoder_decoder else input_ids.shape[1]
     return out[0, skip:].tolist(), seconds, stats
 

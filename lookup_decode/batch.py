@@ -29,6 +29,7 @@ from lookup_decode.decode import _sync, _verify
 from lookup_decode.policy import CostCurve, DraftPolicy
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
+from lookup_decode.verify import accept_greedy
 
 # Measured cost curves of batched forwards, per model and (device, dtype, batch size).
 _BATCH_COSTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -130,15 +131,8 @@ def choose_width(policy: DraftPolicy, fulls, match_lens, cost: CostCurve | None,
 
 def _verify_rows(logits_processor, ids, rows, cur, drafts, logits, uniforms, P):
     """Emitted tokens (long [m_i + 1]) for each active row i."""
-    if not logits_processor and uniforms is None:
-        # Greedy without processors: one argmax for the whole batch, then per-row prefixes.
-        target = logits.argmax(-1).cpu()                                  # [A, w]
-        out = []
-        for i, draft in enumerate(drafts):
-            n = draft.numel()
-            agree = (target[i, :n] == draft.cpu()).to(torch.int64).cumprod(0)
-            out.append(target[i, : int(agree.sum()) + 1].to(logits.device))
-        return out
+    if not logits_processor and uniforms is None:       # greedy without processors: nothing per row to run
+        return [accept_greedy(d, logits[i, : d.numel() + 1]) for i, d in enumerate(drafts)]
     return [_verify(_for_row(logits_processor, ids, b), ids[b: b + 1], cur[b], drafts[i],
                     logits[i, : drafts[i].numel() + 1], None if uniforms is None else uniforms[b, cur[b] - P:])[0]
             for i, b in enumerate(rows)]

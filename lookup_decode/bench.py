@@ -148,17 +148,31 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_generate(model, input_ids, lookup: dict | None = None, **generate_kwargs):
+    """(output, seconds, stats) of one model.generate call, timed with device syncs.
+
+    lookup: None for plain generate, else lookup_decode options (a DecodeStats is filled and returned).
+    """
+    import lookup_decode
+    stats = None
+    if lookup is not None:
+        stats = DecodeStats()
+        generate_kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **lookup)
+    sync(input_ids.device)
+    start = time.perf_counter()
+    out = model.generate(input_ids, **generate_kwargs)
+    sync(input_ids.device)
+    return out, time.perf_counter() - start, stats
+
+
 def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
     """Generation of up to max_new_tokens after input_ids (long [1, T]), timed with device syncs.
     Greedy unless variant.generate_kwargs asks for sampling."""
     import torch
-
-    import lookup_decode
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
     kwargs.update(variant.generate_kwargs)      # may switch to sampling (do_sample, temperature, ...)
-    stats = None
+    lookup = None
     if variant.lookup is not None:
-        stats = DecodeStats()
         lookup = dict(variant.lookup)
         width = lookup.pop("tree_width", 1)
         if width > 1:   # trees: a fresh TreeProposer per run (a proposer holds one request's text)
@@ -166,12 +180,7 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
             eos = model.generation_config.eos_token_id
             eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
             lookup["proposer"] = TreeProposer(width=width, min_match=lookup.get("min_match", 1), eos_token_ids=eos)
-        kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **lookup)
-    sync(input_ids.device)
-    start = time.perf_counter()
-    out = model.generate(input_ids, **kwargs)
-    sync(input_ids.device)
-    seconds = time.perf_counter() - start
+    out, seconds, stats = timed_generate(model, input_ids, lookup, **kwargs)
     return Run(variant.name, out[0, input_ids.shape[1]:].tolist(), seconds, stats)
 
 
