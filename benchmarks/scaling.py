@@ -9,9 +9,10 @@ step priced as one forward over draft + 1 tokens with the forward cost *measured
 that context length (`cost_grid.py`; a synthetic KV cache stands in for contexts the model cannot
 hold or would take hours to prefill). Projections leave out proposer time (µs per step, reported).
 
-* output_length — measured: per prompt, plain and lookup_decode run once each (interleaved, after a
-  warm-up) up to --output-max-new tokens while a stopping criterion stamps the time of every emitted
-  token, so one run gives the speed-up after the first L tokens for every L. Projected: replay on real
+* output_length — measured: per prompt, plain and lookup_decode run --output-repeats times each
+  (interleaved, after a warm-up) up to --output-max-new tokens while a stopping criterion stamps the
+  time of every emitted token, so one run gives the time to the first L tokens for every L (medians
+  over the repeats). Projected: replay on real
   large-model outputs (pld_outputs, NoFunEval, MT-Redundant), speed-up after the first L tokens.
 * context_length — projected: Aider refactor tasks (the file re-emitted with one method moved, made
   mechanically by aider_after.py) with other Aider files put before it to reach 1k..128k tokens of
@@ -179,26 +180,30 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
         run_variant(model, prompts[0][1], v, 16)
     records = []
     for i, (req, ids) in enumerate(tqdm(prompts, desc="output length (timed)")):
-        runs = {}
-        for _, name in interleaved_order(names, 1, offset=i):
+        runs = {name: [] for name in names}     # per variant: (run, timeline) per repeat
+        for _, name in interleaved_order(names, args.output_repeats, offset=i):
             timeline = Timeline(device)
             v = Variant(name, variants[name].lookup,
                         {"stopping_criteria": StoppingCriteriaList([timeline])})
             start = time.perf_counter()
             run = run_variant(model, ids, v, args.output_max_new)
-            runs[name] = (run, timeline.cumulative(ids.shape[1], start))
-        plain, lookup = runs[PLAIN.name][0], runs[LOOKUP.name][0]
+            runs[name].append((run, timeline.cumulative(ids.shape[1], start)))
+        plain, lookup = runs[PLAIN.name][0][0], runs[LOOKUP.name][0][0]
         n = min(len(plain.tokens), len(lookup.tokens))
         lengths = [L for L in LENGTHS if L <= n]
-        t_plain = time_to(*runs[PLAIN.name][1], lengths)
-        t_lookup = time_to(*runs[LOOKUP.name][1], lengths)
+        # Median over repeats of the time by which L tokens were out (greedy: every repeat emits the same tokens).
+        t_plain = np.median([time_to(*tl, lengths) for _, tl in runs[PLAIN.name]], axis=0).tolist()
+        t_lookup = np.median([time_to(*tl, lengths) for _, tl in runs[LOOKUP.name]], axis=0).tolist()
+        plain_s = float(np.median([r.seconds for r, _ in runs[PLAIN.name]]))
+        lookup_s = float(np.median([r.seconds for r, _ in runs[LOOKUP.name]]))
         records.append({"category": req.category, "id": req.id, "prompt_tokens": int(ids.shape[1]),
                         "new_tokens": n, "identical": plain.tokens == lookup.tokens,
                         "loop_score": loop_score(plain.tokens),
                         "copy_share": copy_share(ids[0].tolist(), plain.tokens),
                         "mean_accepted_length": lookup.stats.mean_accepted_length,
                         "lengths": lengths, "speedup_at": [a / b for a, b in zip(t_plain, t_lookup)],
-                        "speedup": (len(lookup.tokens) / lookup.seconds) / (len(plain.tokens) / plain.seconds)})
+                        "repeats": args.output_repeats,
+                        "speedup": (len(lookup.tokens) / lookup_s) / (len(plain.tokens) / plain_s)})
     return records
 
 
@@ -371,6 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-categories", nargs="+", default=["code_edit", "summarization", "mt_redundant"])
     ap.add_argument("--output-n", type=int, default=2, help="timed prompts per category for the output-length part")
     ap.add_argument("--output-max-new", type=int, default=512)
+    ap.add_argument("--output-repeats", type=int, default=3,
+                    help="interleaved runs per prompt and variant; times to L are medians over them")
     ap.add_argument("--max-prompt-tokens", type=int, default=2048)
     ap.add_argument("--replay-sets", nargs="+", default=["code_edit", "cnn_dm", "hagrid", "mt_redundant", "clapnq"])
     ap.add_argument("--replay-limit", type=int, default=60, help="real pairs per set for the projections")
