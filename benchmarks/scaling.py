@@ -47,8 +47,8 @@ from benchmarks import workloads
 from benchmarks.aider_after import move_method_to_top_level, parse_task
 from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup
 from benchmarks.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
-from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, Variant, chat_ids, copy_share, environment,
-                                 interleaved_order, load_tokenizer, loop_score, replay, spread, sync)
+from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, Timeline, Variant, chat_ids, copy_share, environment,
+                                 interleaved_order, load_tokenizer, loop_score, replay, spread)
 from lookup_decode.config import LookupConfig
 from lookup_decode.index import SuffixIndex
 from lookup_decode.policy import DraftPolicy
@@ -121,32 +121,6 @@ def controlled_copy_output(prompt, novel, share: float, length: int, span: float
         out.extend(piece.tolist())
         mask.extend([is_copy] * m)
     return np.asarray(out, dtype=np.int32), np.asarray(mask, dtype=bool)
-
-
-class Timeline:
-    """A stopping criterion that never stops: it stamps (sequence length, time) at every call.
-
-    Plain generate calls it once per token, lookup decoding after every emitted token, so the time by
-    which the first L new tokens were out is known for every L from one run.
-    """
-
-    def __init__(self, device):
-        self.device = device
-        self.points: list[tuple[int, float]] = []
-
-    def __call__(self, input_ids, scores=None, **kwargs):
-        import torch
-        sync(self.device)
-        self.points.append((int(input_ids.shape[1]), time.perf_counter()))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def cumulative(self, prompt_len: int, start: float) -> tuple[np.ndarray, np.ndarray]:
-        """(new tokens out [m], seconds since start [m]), one entry per distinct length."""
-        best: dict[int, float] = {}
-        for n, t in self.points:
-            best.setdefault(n - prompt_len, t)
-        lengths = sorted(best)
-        return np.asarray(lengths, dtype=np.int64), np.asarray([best[n] - start for n in lengths])
 
 
 def bucket_medians(xs, ys, edges) -> list[dict]:

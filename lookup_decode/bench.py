@@ -148,6 +148,32 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Timeline:
+    """A stopping criterion that never stops: it stamps (sequence length, time) at every call.
+
+    Plain generate calls it once per token, lookup decoding after every emitted token, so the time by
+    which the first L new tokens were out is known for every L from one run.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.points: list[tuple[int, float]] = []
+
+    def __call__(self, input_ids, scores=None, **kwargs):
+        import torch
+        sync(self.device)
+        self.points.append((int(input_ids.shape[1]), time.perf_counter()))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def cumulative(self, prompt_len: int, start: float) -> tuple[np.ndarray, np.ndarray]:
+        """(new tokens out [m], seconds since start [m]), one entry per distinct length."""
+        best: dict[int, float] = {}
+        for n, t in self.points:
+            best.setdefault(n - prompt_len, t)
+        lengths = sorted(best)
+        return np.asarray(lengths, dtype=np.int64), np.asarray([best[n] - start for n in lengths])
+
+
 def timed_generate(model, input_ids, lookup: dict | None = None, **generate_kwargs):
     """(output, seconds, stats) of one model.generate call, timed with device syncs.
 

@@ -1,5 +1,5 @@
 """Benchmark harness logic: interleaving, ratios and spreads, loop score, replay accounting, the
-baseline proposers' rules, and `lookup-decode bench` input errors. No model and no wall-clock thresholds."""
+baseline proposers' rules, and `lookup-decode bench` input errors. No real model (one tiny one for the batch harness) and no wall-clock thresholds."""
 
 import json
 import sys
@@ -498,3 +498,29 @@ def test_substitution_key_skips_the_replaced_token():
     assert p.propose(2).tolist() == [6, 7]
     p.extend([6, 42])
     assert p.propose(3).tolist() == [8, 9, 0]
+
+
+def test_bench_batch_measure_accounts_tokens_and_decode_time(tiny_llama):
+    """bench_batch.measure on a left-padded batch of 2: rows identical to plain, tokens counted up to each
+    row's EOS, decode-only time taken from the same run (after the first token), never longer than the run."""
+    from types import SimpleNamespace
+
+    from benchmarks import bench_batch
+    from conftest import repetitive_prompt
+    rows = [repetitive_prompt(1)[0], repetitive_prompt(2, length=10)[0]]
+    P = max(len(r) for r in rows)
+    ids = torch.zeros((2, P), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r):], mask[i, P - len(r):] = r, 1
+    tokenizer = SimpleNamespace(eos_token="</s>", convert_tokens_to_ids=lambda toks: [2], pad_token_id=0)
+    rec = bench_batch.measure(tiny_llama, tokenizer, ids, mask, max_new_tokens=12, repeats=2)
+    assert rec["rows"] == 2 and rec["lookup_decode"]["identical_rows"] == 2
+    for name in ("plain", "lookup_decode"):
+        r = rec[name]
+        assert len(r["seconds_all"]) == len(r["first_token_s_all"]) == 2
+        assert all(0 < f < s for f, s in zip(r["first_token_s_all"], r["seconds_all"]))
+        assert r["new_tokens"] <= 2 * 12
+        assert r["decode_tokens_per_second"] > 0
+    assert rec["speedup"] == rec["lookup_decode"]["tokens_per_second"] / rec["plain"]["tokens_per_second"]
+    assert rec["lookup_decode"]["stats"]["steps"] > 0

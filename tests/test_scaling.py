@@ -17,7 +17,7 @@ from benchmarks import bench_generate, report, workloads  # noqa: E402
 from benchmarks.aider_after import move_method_to_top_level, parse_task  # noqa: E402
 from benchmarks.cost_grid import (CostGrid, plain_times, step_times, synthetic_cache,  # noqa: E402
                                   time_forwards, time_to)
-from benchmarks.scaling import (PROPOSERS, Timeline, bucket_medians, controlled_copy_output,  # noqa: E402
+from benchmarks.scaling import (PROPOSERS, bucket_medians, controlled_copy_output,  # noqa: E402
                                 projected)
 from conftest import repetitive_prompt  # noqa: E402
 from lookup_decode import bench  # noqa: E402
@@ -186,7 +186,7 @@ def test_bucket_medians():
 def test_timeline_stamps_every_new_token(tiny_llama, variant):
     from transformers import StoppingCriteriaList
     ids = repetitive_prompt(0)
-    timeline = Timeline("cpu")
+    timeline = bench.Timeline("cpu")
     v = bench.Variant(variant.name, variant.lookup, {"stopping_criteria": StoppingCriteriaList([timeline])})
     run = bench.run_variant(tiny_llama, ids, v, 30)
     plain = bench.run_variant(tiny_llama, ids, bench.PLAIN, 30)
