@@ -10,9 +10,10 @@ the batch, so they cost no compute. The sequences come back left-padded like pla
 prompt, generated tokens, then `pad_token_id` after a row's end.
 
 The draft width is one number per step (rows are padded to it): the width w maximizing the
-expected tokens emitted by all rows over the measured cost of a forward over rows x w tokens. A
-batch already fills the hardware better than one row, so the wider the batch, the less drafting
-pays, and the policy drafts less; w = 1 is plain batched decoding.
+expected tokens emitted by all rows over the measured cost of a forward w tokens wide relative to
+one 1 token wide, with these rows (`BatchCost`). A batch already fills the hardware better than one
+row, so the wider the batch, the less drafting pays, and the policy drafts less; w = 1 is plain
+batched decoding.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from lookup_decode.cache import compact, crop
 from lookup_decode.decode import _sync, _verify
-from lookup_decode.policy import CostCurve, DraftPolicy
+from lookup_decode.policy import _COST_EMA, DraftPolicy
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
 from lookup_decode.verify import accept_greedy
@@ -84,33 +85,64 @@ def _free_memory(device: torch.device) -> int | None:
         return None
 
 
-def _cost_curve(model, forward: BatchForward, mask, positions, last, k: int) -> CostCurve:
-    """Seconds of a forward over rows x w tokens as a curve over total tokens, measured on this batch."""
+class BatchCost:
+    """Seconds of a verify forward `w` tokens wide relative to one 1 token wide, for the rows now in the batch.
+
+    The choice of width needs only this ratio. It is calibrated once per batch size (and model, device,
+    dtype); within a call each width's ratio is refined from steps timed against the latest width-1 step
+    with the *same* rows: the absolute cost moves with the number of rows and the context, and a curve
+    over total tokens (rows x w) mixes them up — as rows left the batch it priced drafts at less than
+    no draft. Ratios calibrated on more rows are conservative for fewer: a smaller batch is less
+    compute-bound, so drafting is relatively cheaper there.
+    """
+
+    def __init__(self, relative: np.ndarray):
+        self.relative = np.array(relative, dtype=np.float64)     # [k + 2], index w; relative[1] = 1
+        self.max_w = len(self.relative) - 1
+        self.width1: dict[int, float] = {}                      # rows -> seconds of a width-1 step
+
+    def __call__(self, w: int) -> float:
+        return float(self.relative[w])
+
+    def observe(self, rows: int, w: int, seconds: float) -> None:
+        if seconds <= 0 or not 1 <= w <= self.max_w:
+            return
+        if w == 1:
+            last = self.width1.get(rows)
+            self.width1[rows] = seconds if last is None else last + _COST_EMA * (seconds - last)
+        elif rows in self.width1:
+            self.relative[w] += _COST_EMA * (seconds / self.width1[rows] - self.relative[w])
+
+
+def _calibrate(model, forward: BatchForward, mask, positions, last, k: int) -> BatchCost:
+    """Relative cost of widths 1..k+1 on this batch, measured once per (device, dtype, rows)."""
     rows = last.shape[0]
     key = (str(last.device), str(next(model.parameters()).dtype), rows)
-    curves = _BATCH_COSTS.setdefault(model, {})
-    if key in curves and curves[key].max_n >= rows * (k + 1):
-        return curves[key]
-    widths = sorted({w for w in _WIDTHS if w <= k + 1} | {k + 1})
+    calibrated = _BATCH_COSTS.setdefault(model, {})
+    if key not in calibrated or len(calibrated[key]) < k + 2:
+        widths = sorted({w for w in _WIDTHS if w <= k + 1} | {k + 1})
 
-    def seconds(w):
-        cols = torch.ones((rows, w), dtype=torch.bool, device=last.device)
-        pos = positions[:, None] + torch.arange(w, device=last.device)
-        _sync(last.device)
-        t = time.perf_counter()
-        forward(last.expand(rows, w), torch.cat([mask, cols], 1), pos, w)
-        _sync(last.device)
-        elapsed = time.perf_counter() - t
-        crop(forward.cache, w)
-        return elapsed
+        def seconds(w):
+            cols = torch.ones((rows, w), dtype=torch.bool, device=last.device)
+            pos = positions[:, None] + torch.arange(w, device=last.device)
+            _sync(last.device)
+            t = time.perf_counter()
+            forward(last.expand(rows, w), torch.cat([mask, cols], 1), pos, w)
+            _sync(last.device)
+            elapsed = time.perf_counter() - t
+            crop(forward.cache, w)
+            return elapsed
 
-    seconds(widths[-1])  # warm-up: the first use of a shape allocates
-    measured = [min(seconds(w), seconds(w)) if w <= 2 else seconds(w) for w in widths]
-    curves[key] = CostCurve([rows * w for w in widths], measured, rows * (k + 1))
-    return curves[key]
+        seconds(widths[-1])  # warm-up: the first use of a shape allocates
+        # Noise only ever adds time: the least of a few runs is the estimate (three for the denominator).
+        measured = np.array([min(seconds(w) for _ in range(3 if w == 1 else 2 if w == 2 else 1)) for w in widths])
+        relative = np.interp(np.arange(k + 2), widths, measured / measured[0])
+        relative[0] = np.inf                                    # width 0 does not exist
+        calibrated[key] = relative
+    return BatchCost(calibrated[key][: k + 2])
 
 
-def choose_width(policy: DraftPolicy, fulls, match_lens, cost: CostCurve | None, k: int) -> int:
+def choose_width(policy: DraftPolicy, fulls, match_lens, cost: BatchCost | None, k: int) -> int:
     """Draft width w (tokens per row in the verify forward, 1 = no draft) maximizing E[emitted] / cost.
 
     Every row drafts min(len(its proposal), w - 1) tokens: within one padded forward a row's
@@ -124,8 +156,7 @@ def choose_width(policy: DraftPolicy, fulls, match_lens, cost: CostCurve | None,
     gain = np.zeros(max_d + 1)
     for n, match_len in zip(lengths, match_lens):
         gain += policy.expected_emitted(match_len, max_d)[np.minimum(d, n)]
-    rows = len(fulls)
-    price = np.array([cost(rows * (w + 1)) for w in d])
+    price = np.array([cost(w + 1) for w in d])
     return int(np.argmax(gain / price)) + 1
 
 
@@ -187,7 +218,7 @@ def lookup_generate_batch(model, input_ids: torch.Tensor, attention_mask: torch.
     logits = forward(input_ids, mask, prefill_pos, 1)
     cost = None
     if adaptive and k > 0:
-        cost = _cost_curve(model, forward, mask, positions, input_ids[:, -1:], k)
+        cost = _calibrate(model, forward, mask, positions, input_ids[:, -1:], k)
     rows = list(range(B))                                 # original row of each active cache row
     emitted = _verify_rows(logits_processor, ids, rows, cur, [ids[0, :0]] * B, logits, uniforms, P)
     for b in rows:
@@ -242,6 +273,8 @@ def lookup_generate_batch(model, input_ids: torch.Tensor, attention_mask: torch.
         emitted = _verify_rows(logits_processor, ids, rows, cur, drafts, logits, uniforms, P)
         n_kept = torch.tensor([e.numel() - 1 for e in emitted], device=device)
 
+        verify_s = time.perf_counter() - t
+
         # 6. Roll back: crop the columns no row kept; columns some rows kept and others not become holes.
         width_kept = int(n_kept.max()) + 1
         crop(forward.cache, w - width_kept)
@@ -249,15 +282,14 @@ def lookup_generate_batch(model, input_ids: torch.Tensor, attention_mask: torch.
         positions = positions + n_kept + 1
         if mask.shape[1] - int(mask.sum(1).max()) > max(_MIN_HOLES, _HOLE_SHARE * mask.shape[1]):
             mask = compact(forward.cache, mask)
-        elapsed = time.perf_counter() - t
-        stats.model_s += elapsed
+        stats.model_s += time.perf_counter() - t
 
         t = time.perf_counter()
         for i, b in enumerate(rows):
             stats.observe(drafts[i].numel(), int(n_kept[i]))
             policy.observe(fulls[i], emitted[i].cpu().numpy(), match_lens[i])
         if cost is not None:
-            cost.observe(len(rows) * w, elapsed)
+            cost.observe(len(rows), w, verify_s)
         stats.proposer_s += time.perf_counter() - t
 
     stats.prompt_tokens += int(attention_mask.sum())

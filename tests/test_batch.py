@@ -12,7 +12,7 @@ import test_sampling as ts
 import tiny_models
 from conftest import TINY_ARCHS, VOCAB, chat_ids, make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats
-from lookup_decode.batch import check_batch_memory, choose_width
+from lookup_decode.batch import BatchCost, check_batch_memory, choose_width
 from lookup_decode.policy import CostCurve, DraftPolicy
 from test_sampling import model  # noqa: F401  (the vocabulary-6 sampling model fixture)
 
@@ -224,19 +224,36 @@ def test_batched_sampling_negative_control_is_rejected(model, monkeypatch):
 
 # ---------------------------------------------------------------- the width policy and bad input
 
+def relative_cost(curve: CostCurve, rows: int, k: int) -> BatchCost:
+    """A batch's width-cost ratios from a curve over total tokens (rows x w)."""
+    return BatchCost(np.array([np.inf] + [curve(rows * w) / curve(rows) for w in range(1, k + 2)]))
+
+
 def test_width_policy_drafts_less_as_the_batch_grows():
     # Synthetic cost: flat up to 16 tokens, then linear (a device saturates): same evidence per row.
-    cost = CostCurve([1, 16, 1024], [1.0, 1.0, 64.0], 1024)
+    curve = CostCurve([1, 16, 1024], [1.0, 1.0, 64.0], 1024)
     full = np.arange(32, dtype=np.int32)
-    widths = [choose_width(DraftPolicy(32), [full] * rows, [8] * rows, cost, 32)
+    widths = [choose_width(DraftPolicy(32), [full] * rows, [8] * rows, relative_cost(curve, rows, 32), 32)
               for rows in (1, 4, 16)]
     assert widths[0] > widths[1] > widths[2] >= 1
 
 
 def test_width_policy_never_drafts_when_nothing_was_proposed():
-    cost = CostCurve([1, 64], [1.0, 1.0], 64)
+    cost = relative_cost(CostCurve([1, 64], [1.0, 1.0], 64), 3, 8)
     empty = np.zeros(0, dtype=np.int32)
     assert choose_width(DraftPolicy(8), [empty] * 3, [0] * 3, cost, 8) == 1
+
+
+def test_batch_cost_learns_ratios_against_width_one_steps_of_the_same_rows():
+    cost = BatchCost(np.array([np.inf, 1.0, 1.2, 1.4]))
+    cost.observe(8, 2, 3.0)                 # no width-1 step with 8 rows yet: nothing to compare with
+    assert cost(2) == 1.2
+    for _ in range(50):
+        cost.observe(8, 1, 1.0)
+        cost.observe(8, 2, 2.0)             # truly twice a width-1 step
+        cost.observe(4, 1, 0.5)             # fewer rows: a cheaper width-1 step must not move the ratios
+    assert cost(2) == pytest.approx(2.0, rel=1e-3)
+    assert cost(3) == 1.4 and cost(1) == 1.0
 
 
 def test_bad_batches_get_clear_errors(tiny_llama):
