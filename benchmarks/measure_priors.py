@@ -59,9 +59,9 @@ def main(argv=None) -> int:
     for b in range(P._N_BUCKETS):
         lo = 1 << b
         label = f">= {lo}" if b == P._N_BUCKETS - 1 else (f"{lo}" if lo == 1 else f"{lo}-{2 * lo - 1}")
-        print(f"{label:>18} {int(counts[b, 1]):>7}   {a1[b]:.2f} ({P._PRIOR_FIRST[b]:.2f})"
+        print(f"{label:>18} {int(counts[b, 1]):>7}   {a1[b]:.2f} ({P._MEASURED_FIRST[b]:.2f})"
               f"           {a2[b]:.2f} ({P._PRIOR_LATER[b]:.2f})")
-    print("_PRIOR_FIRST = np.array([" + ", ".join(f"{x:.2f}" for x in a1) + "])")
+    print("_MEASURED_FIRST = np.array([" + ", ".join(f"{x:.2f}" for x in a1) + "])")
     print("_PRIOR_LATER = np.array([" + ", ".join(f"{x:.2f}" for x in a2) + "])")
     return 0
 
