@@ -30,7 +30,8 @@ _PRIOR_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
 # fresh matches, and those are wrong more often (outputs open with text of their own). Replayed on
 # held-out pairs (60-200 of each set) and priced with this machine's forward cost, the skeptical prior
 # wins on every set: projected speed-up after 8 tokens x0.76-1.65 -> x0.85-2.33, over whole outputs
-# +1-7% (geometric mean); factors 0.5-0.85 were tried, 0.5-0.6 best.
+# +1-7% (geometric mean); factors 0.5-0.85 were tried, 0.5-0.6 best (`python -m benchmarks.prior_factor`,
+# benchmarks/results/replay/prior_factor.txt).
 _PRIOR_FIRST = 0.6 * _MEASURED_FIRST
 # Worth a few observations only: each request's own acceptance takes over within a few steps.
 _PRIOR_WEIGHT = 4.0
