@@ -12,8 +12,8 @@ hold or would take hours to prefill). Projections leave out proposer time (µs p
 * output_length — measured: per prompt, plain and lookup_decode run --output-repeats times each
   (interleaved, after a warm-up) up to --output-max-new tokens while a stopping criterion stamps the
   time of every emitted token, so one run gives the time to the first L tokens for every L (medians
-  over the repeats). Projected: replay on real
-  large-model outputs (pld_outputs, NoFunEval, MT-Redundant), speed-up after the first L tokens.
+  over the repeats). Projected: replay on real large-model outputs (pld_outputs, NoFunEval,
+  MT-Redundant), speed-up after the first L tokens.
 * context_length — projected: Aider refactor tasks (the file re-emitted with one method moved, made
   mechanically by aider_after.py) with other Aider files put before it to reach 1k..128k tokens of
   context; ours vs transformers' prompt lookup vs the context-copy ceiling. Measured: the end-to-end

@@ -11,7 +11,6 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from lookup_decode.cache import crop, start_rollback

@@ -1,5 +1,6 @@
 """Benchmark harness logic: interleaving, ratios and spreads, loop score, replay accounting, the
-baseline proposers' rules, and `lookup-decode bench` input errors. No real model (one tiny one for the batch harness) and no wall-clock thresholds."""
+baseline proposers' rules, and `lookup-decode bench` input errors. No real model (one tiny one for
+the batch harness) and no wall-clock thresholds."""
 
 import json
 import sys

@@ -1,6 +1,5 @@
 """Drafts with a distribution: a small Transformers draft model through the same loop and verifier."""
 
-import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

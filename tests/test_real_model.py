@@ -8,7 +8,6 @@ from transformers import StoppingCriteriaList, StopStringCriteria
 
 import lookup_decode
 from benchmarks import workloads
-from conftest import chat_ids
 from lookup_decode import DecodeStats
 
 pytestmark = pytest.mark.real_model
