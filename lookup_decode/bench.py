@@ -1,33 +1,31 @@
-"""`lookup-decode bench`: measure lookup decoding on your own requests, and the helpers every benchmark shares.
+"""`lookup-decode bench`: measure lookup decoding on your own requests and recommend settings.
 
     lookup-decode bench --prompts my_requests.jsonl --max-new-tokens 256
 
 The command runs each request with plain `model.generate` and with lookup decoding, interleaved
 (request by request, order rotated) after an untimed warm-up, and reports the speed-up, the mean
 accepted length and whether the outputs are identical. It then replays a few settings (k, min_match,
-adaptive) on the plain outputs it just generated — greedy lookup decoding emits exactly those
-tokens, so the replay knows every step's acceptance — prices each step with this machine's
-measured forward cost, and confirms the best setting end to end.
-
-The helpers (interleaving, timing, loop score, spread, offline replay, forward-cost measurement) are
-used by the repository's `benchmarks/` scripts too, which is why they live in the package:
-`benchmarks/` is not installed, so the package never imports it.
+adaptive) on the plain outputs it just generated (`replay.py`: greedy lookup decoding emits exactly
+those tokens, so the replay knows every step's acceptance), prices each step with this machine's
+measured forward cost, and confirms the best setting end to end. The timing and comparison helpers
+here are the ones the repository's `benchmarks/` use too.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from lookup_decode.config import LookupConfig
+from lookup_decode.cost import sync
 from lookup_decode.stats import DecodeStats
+from lookup_decode.stopping import eos_ids
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
@@ -140,40 +138,6 @@ class Run:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
-def sync(device) -> None:
-    """Wait for queued GPU work so a wall-clock reading covers it (no-op on CPU)."""
-    import torch
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Timeline:
-    """A stopping criterion that never stops: it stamps (sequence length, time) at every call.
-
-    Plain generate calls it once per token, lookup decoding after every emitted token, so the time by
-    which the first L new tokens were out is known for every L from one run.
-    """
-
-    def __init__(self, device):
-        self.device = device
-        self.points: list[tuple[int, float]] = []
-
-    def __call__(self, input_ids, scores=None, **kwargs):
-        import torch
-        sync(self.device)
-        self.points.append((int(input_ids.shape[1]), time.perf_counter()))
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def cumulative(self, prompt_len: int, start: float) -> tuple[np.ndarray, np.ndarray]:
-        """(new tokens out [m], seconds since start [m]), one entry per distinct length."""
-        best: dict[int, float] = {}
-        for n, t in self.points:
-            best.setdefault(n - prompt_len, t)
-        lengths = sorted(best)
-        return np.asarray(lengths, dtype=np.int64), np.asarray([best[n] - start for n in lengths])
-
-
 def timed_generate(model, input_ids, lookup: dict | None = None, **generate_kwargs):
     """(output, seconds, stats) of one model.generate call, timed with device syncs.
 
@@ -203,9 +167,8 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
         width = lookup.pop("tree_width", 1)
         if width > 1:   # trees: a fresh TreeProposer per run (a proposer holds one request's text)
             from lookup_decode.tree import TreeProposer
-            eos = model.generation_config.eos_token_id
-            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-            lookup["proposer"] = TreeProposer(width=width, min_match=lookup.get("min_match", 1), eos_token_ids=eos)
+            lookup["proposer"] = TreeProposer(width=width, min_match=lookup.get("min_match", 1),
+                                              eos_token_ids=eos_ids(model.generation_config))
     out, seconds, stats = timed_generate(model, input_ids, lookup, **kwargs)
     return Run(variant.name, out[0, input_ids.shape[1]:].tolist(), seconds, stats)
 
@@ -248,24 +211,6 @@ def loop_score(tokens, n: int = 8) -> float:
     return float(covered.mean())
 
 
-def copy_share(prompt, output, n: int = 8) -> float:
-    """Share of the output's tokens covered by an n-gram that also occurs in the prompt.
-
-    How much of the output copies its input: the quantity lookup decoding lives on. Example (n=2):
-    prompt [1,2,3], output [1,2,9,2,3] -> the 2-grams [1,2] and [2,3] cover positions 0,1,3,4 -> 4/5.
-    """
-    prompt = [int(t) for t in prompt]
-    output = [int(t) for t in output]
-    if len(output) < n or len(prompt) < n or n < 1:
-        return 0.0
-    grams = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
-    covered = np.zeros(len(output), dtype=bool)
-    for j in range(len(output) - n + 1):
-        if tuple(output[j:j + n]) in grams:
-            covered[j:j + n] = True
-    return float(covered.mean())
-
-
 def spread(values: Iterable[float]) -> dict:
     """n, median, quartiles (linear interpolation) and range; None for all but n when empty."""
     v = np.asarray([float(x) for x in values], dtype=np.float64)
@@ -286,128 +231,6 @@ def throughput_ratio(base: list[tuple[int, float]], other: list[tuple[int, float
     """Ratio of total throughputs (sum of tokens / sum of seconds) over several prompts; long prompts weigh more."""
     return speedup((sum(t for t, _ in base), sum(s for _, s in base)),
                    (sum(t for t, _ in other), sum(s for _, s in other)))
-
-
-def accepted_histogram(stats: DecodeStats) -> list[int]:
-    """Steps by number of accepted draft tokens: hist[a] = steps that kept exactly a drafts.
-
-    From stats.accepted_at (steps that kept draft position i, i.e. kept more than i tokens).
-    """
-    at = list(stats.accepted_at)
-    kept_more_than = [stats.steps] + at            # kept_more_than[a] = steps with accepted >= a
-    hist = [kept_more_than[a] - (kept_more_than[a + 1] if a + 1 < len(kept_more_than) else 0)
-            for a in range(len(kept_more_than))]
-    while len(hist) > 1 and hist[-1] == 0:
-        hist.pop()
-    return hist
-
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None when identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-# ----------------------------------------------------------------------------------------- replay
-
-def replay(proposer, output, cap: int, policy=None) -> DecodeStats:
-    """Replay a known continuation through a proposer, with a verifier that knows the true tokens.
-
-    proposer: already holds the prompt; `propose(max_tokens) -> int [d]`, `extend(tokens)`, and
-    `match_len` when a policy is given. output: int [n], the true continuation. Each step drafts
-    up to min(cap, tokens still to emit - 1), accepts the longest prefix equal to the true
-    continuation plus one bonus/correction token, and feeds every emitted token to the proposer.
-    policy: optional `DraftPolicy`; it picks how many of the drafted tokens are verified (as in
-    lookup decoding's adaptive mode) and learns from what was emitted.
-    Returns DecodeStats: steps, drafted, accepted, accepted_at, draft_lengths, proposer_s
-    (propose + extend time); new_tokens = n.
-    """
-    output = np.asarray(output, dtype=np.int32)
-    n = len(output)
-    stats = DecodeStats(new_tokens=n)
-    pos = 0
-    while pos < n:
-        t = time.perf_counter()
-        full = np.asarray(proposer.propose(min(cap, n - pos - 1)))
-        d = len(full)
-        if policy is not None:
-            match_len = proposer.match_len
-            d = policy.choose(len(full), match_len)
-        stats.proposer_s += time.perf_counter() - t
-        draft = full[:d]
-        same = draft == output[pos:pos + d]    # the "verifier": longest prefix equal to the truth
-        accepted = d if same.all() else int(np.argmin(same))
-        emitted = output[pos:pos + accepted + 1]
-        t = time.perf_counter()
-        if policy is not None:
-            policy.observe(full, emitted, match_len)
-        proposer.extend(emitted)
-        stats.proposer_s += time.perf_counter() - t
-        stats.observe(d, accepted)
-        pos += accepted + 1
-    return stats
-
-
-def estimated_seconds(stats: DecodeStats, cost: Callable[[int], float]) -> float:
-    """Modelled generation time of a replay: one forward over d + 1 tokens per step, plus proposer time."""
-    return sum(cost(d + 1) for d in stats.draft_lengths) + stats.proposer_s
-
-
-def estimated_speedup(stats: DecodeStats, cost: Callable[[int], float]) -> float:
-    """Plain decoding (one forward of one token per emitted token) over the replay's modelled time."""
-    return stats.new_tokens * cost(1) / estimated_seconds(stats, cost)
-
-
-def measure_forward_cost(model, context_ids, sizes: Iterable[int], repeats: int = 3) -> list[float]:
-    """Median seconds of one forward over n new tokens after a prefilled context, for each n in sizes.
-
-    context_ids: long [1, T] (real text: the cost of attention depends on T). The n tokens are the
-    context's own last tokens; each measurement is cropped from the cache again.
-    """
-    import torch
-
-    from lookup_decode.cache import cache_argument, crop, new_cache
-    cache = new_cache(model)
-    arg = cache_argument(model)
-    device = context_ids.device
-    with torch.inference_mode():
-        model(input_ids=context_ids, **{arg: cache}, use_cache=True)
-        out = []
-        for n in sizes:
-            ids = context_ids[:, -n:] if n <= context_ids.shape[1] else context_ids[:, -1:].expand(1, n)
-            times = []
-            for _ in range(repeats):
-                sync(device)
-                t = time.perf_counter()
-                model(input_ids=ids, **{arg: cache}, use_cache=True)
-                sync(device)
-                times.append(time.perf_counter() - t)
-                crop(cache, n)
-            out.append(statistics.median(times))
-    return out
-
-
-# ---------------------------------------------------------------------------------- model loading
-
-def load_tokenizer(path: str | Path | None = None):
-    """The tokenizer of the default model (or of a .gguf file / model folder) without loading weights."""
-    from transformers import AutoTokenizer
-
-    from lookup_decode.models import ModelNotFoundError, default_gguf
-    path = default_gguf() if path is None else Path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
-    if path.is_file():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def chat_ids(tokenizer, messages: list[dict]):
-    """Prompt token ids (long [1, T]) through the model's chat template, ready for the assistant turn."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]
 
 
 def command_line() -> str:
@@ -477,10 +300,6 @@ def _cpu_count() -> int | None:
 
 # ------------------------------------------------------------------------------------ the command
 
-SEARCH_K = (8, 16, 32, 64)
-SEARCH_MIN_MATCH = (1, 2, 3)
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--prompts", required=True,
                         help='JSONL file (one {"messages": [...]} or {"prompt": "..."} per line) or a folder of .txt files')
@@ -495,7 +314,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
 
 
-def _measure(model, prompts, variants: list[Variant], max_new_tokens: int, repeats: int, progress) -> list[dict[str, Run]]:
+def measure(model, prompts, variants: list[Variant], max_new_tokens: int, repeats: int, progress) -> list[dict[str, Run]]:
     """Per prompt: the run of each variant with the median time over repeats, interleaved."""
     results = []
     for i, ids in enumerate(prompts):
@@ -508,7 +327,7 @@ def _measure(model, prompts, variants: list[Variant], max_new_tokens: int, repea
     return results
 
 
-def _compare(measured: list[dict[str, Run]], name: str) -> dict:
+def compare(measured: list[dict[str, Run]], name: str) -> dict:
     pairs = [((len(m["plain"].tokens), m["plain"].seconds), (len(m[name].tokens), m[name].seconds)) for m in measured]
     ratios = [speedup(b, o) for b, o in pairs]
     loops = [loop_score(m["plain"].tokens) > LOOP_THRESHOLD for m in measured]
@@ -523,35 +342,12 @@ def _compare(measured: list[dict[str, Run]], name: str) -> dict:
             "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
 
 
-def search_settings(prompts, outputs, cost, eos_token_ids=(), ks=SEARCH_K, min_matches=SEARCH_MIN_MATCH) -> list[dict]:
-    """Replay (k, min_match, adaptive) settings on known outputs and rank them by modelled total time.
-
-    prompts, outputs: int token lists per request; cost: `CostCurve` (seconds per forward over n
-    tokens, n up to max(ks) + 1). Returns one dict per setting, fastest first.
-    """
-    from lookup_decode.index import SuffixIndex
-    from lookup_decode.policy import DraftPolicy
-    rows = []
-    for k in ks:
-        for min_match in min_matches:
-            for adaptive in (True, False):
-                total = DecodeStats()
-                for prompt, out in zip(prompts, outputs):
-                    index = SuffixIndex(prompt, min_match=min_match, eos_token_ids=eos_token_ids)
-                    policy = DraftPolicy(k, cost) if adaptive else None
-                    total.merge(replay(index, out, k, policy))
-                rows.append({"k": k, "min_match": min_match, "adaptive": adaptive,
-                             "estimated_speedup": estimated_speedup(total, cost),
-                             "mean_accepted_length": total.mean_accepted_length,
-                             "acceptance_rate": total.acceptance_rate})
-    return sorted(rows, key=lambda r: -r["estimated_speedup"])
-
-
 def run(args) -> int:
     import torch
 
-    from lookup_decode.models import ModelNotFoundError, load_model
-    from lookup_decode.policy import CostCurve
+    from lookup_decode.cost import SIZES, CostCurve, measure_forward_cost
+    from lookup_decode.models import ModelNotFoundError, chat_ids, load_model
+    from lookup_decode.replay import SEARCH_K, search_settings
 
     if args.max_new_tokens < 1:
         raise SystemExit(f"{PROG}: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -569,8 +365,7 @@ def run(args) -> int:
     except ModelNotFoundError as e:
         raise SystemExit(f"{PROG}: {e}")
     prompts = [chat_ids(tokenizer, r.messages).to(args.device) for r in requests]
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+    eos = eos_ids(model.generation_config)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
 
     default = Variant("lookup_decode", lookup={"k": DEFAULT.k, "min_match": DEFAULT.min_match, "adaptive": True})
@@ -585,11 +380,11 @@ def run(args) -> int:
     def progress():
         done[0] += 1
         say(f"  run {done[0]}/{total_runs}")
-    measured = _measure(model, prompts, variants, args.max_new_tokens, args.repeats, progress)
-    summary = _compare(measured, default.name)
+    measured = measure(model, prompts, variants, args.max_new_tokens, args.repeats, progress)
+    summary = compare(measured, default.name)
 
     # Settings search: replay on the plain outputs, priced with this machine's forward cost.
-    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, max(SEARCH_K) + 1]
+    sizes = sorted({n for n in SIZES if n <= max(SEARCH_K) + 1} | {max(SEARCH_K) + 1})
     median_prompt = sorted(prompts, key=lambda p: p.shape[1])[len(prompts) // 2]
     seconds = measure_forward_cost(model, median_prompt, sizes)
     cost = CostCurve(sizes, seconds, max(SEARCH_K) + 1)
@@ -608,8 +403,8 @@ def run(args) -> int:
         say(f"{PROG}: confirming {tuned.describe()} end to end")
         run_variant(model, prompts[0], tuned, min(args.max_new_tokens, 16))  # warm-up: cost calibration for this k
         done[0], total_runs = 0, len(prompts) * 2 * args.repeats
-        confirmed = _measure(model, prompts, [PLAIN, tuned], args.max_new_tokens, args.repeats, progress)
-        result["confirmed"] = _compare(confirmed, "tuned")
+        confirmed = measure(model, prompts, [PLAIN, tuned], args.max_new_tokens, args.repeats, progress)
+        result["confirmed"] = compare(confirmed, "tuned")
 
     if args.json:
         print(json.dumps(result, indent=2))

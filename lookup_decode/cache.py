@@ -1,4 +1,5 @@
-"""KV-cache rollback through the public Cache API, and the one place that knows cache types.
+"""KV-cache rollback through the public Cache API, and the one place that knows cache types and changes
+cache layers: crop (rejected drafts), compaction (a batch's hole columns), the accepted path of a tree.
 
 Rejected draft tokens leave their states at the end of the cache; `crop` removes them with
 `Cache.crop(-n)` (transformers 5.x: a negative count drops tokens). Which path each layer type takes:
@@ -135,3 +136,18 @@ def compact(cache, mask: torch.Tensor) -> torch.Tensor:
     for layer in cache.layers:
         layer.keys, layer.values = take(layer.keys), take(layer.values)
     return mask.gather(1, index)
+
+
+def keep_tree_path(cache, past: int, path: list[int], n_nodes: int) -> None:
+    """After a tree forward: keep the past, the root and the accepted nodes' keys/values; drop the other nodes.
+
+    The cache holds past + 1 + n_nodes positions (the forward over [root, nodes]) on entry.
+    """
+    for layer in _layers(cache):
+        if not isinstance(layer, DynamicLayer) or layer.keys.shape[-2] != past + 1 + n_nodes:
+            raise UnsupportedCacheError(f"tree verification needs full-attention DynamicLayers holding "
+                                        f"{past + 1 + n_nodes} positions, got {type(layer).__name__}")
+        keep = torch.cat([torch.arange(past + 1), past + 1 + torch.tensor(path, dtype=torch.long)])
+        keep = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)

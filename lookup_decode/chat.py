@@ -15,6 +15,7 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
               streamer_factory=None, out=sys.stdout, err=sys.stderr, **lookup_options) -> list[dict]:
     """Answer each line of `lines` (an iterable of str) in one conversation; returns the messages."""
     import lookup_decode
+    from lookup_decode.models import chat_ids
     messages = [{"role": "system", "content": system}] if system else []
     start = len(messages)
     for line in lines:
@@ -27,8 +28,7 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
             del messages[start:]
             continue
         messages.append({"role": "user", "content": text})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
+        ids = chat_ids(tokenizer, messages)
         stats = lookup_decode.DecodeStats()
         streamer = streamer_factory() if streamer_factory is not None else None
         result = lookup_decode.generate(model, ids, max_new_tokens=max_new_tokens, do_sample=False, memory=memory,
@@ -44,8 +44,8 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
 def cmd_chat(args) -> int:
     from transformers import TextStreamer
 
-    from lookup_decode.cli import load
     from lookup_decode.memory import Memory
+    from lookup_decode.models import load_quietly
     path = Path(args.memory_file) if args.memory_file else None
     try:
         if path is not None and path.exists():
@@ -54,7 +54,7 @@ def cmd_chat(args) -> int:
             memory = Memory(args.memory_tokens)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"lookup-decode: {e}")
-    model, tokenizer = load(args)
+    model, tokenizer = load_quietly(args.model, args.threads)
     interactive = sys.stdin.isatty()
 
     def lines():

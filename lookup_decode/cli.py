@@ -8,8 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import sys
 import time
@@ -87,21 +85,8 @@ def _validate(args) -> None:
 
 
 def load(args):
-    import torch
-
-    from lookup_decode.models import ModelNotFoundError, load_model
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    # The GGUF loader draws an unconditional progress bar on stderr; keep the CLI's output clean.
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            return load_model(args.model)
-    except ModelNotFoundError as e:
-        raise SystemExit(f"lookup-decode: {e}")
-    except Exception:
-        sys.stderr.write(captured.getvalue())
-        raise
+    from lookup_decode.models import load_quietly
+    return load_quietly(args.model, args.threads)
 
 
 def cmd_generate(args) -> int:
@@ -110,6 +95,7 @@ def cmd_generate(args) -> int:
 
     import lookup_decode
     from lookup_decode.config import LookupConfig
+    from lookup_decode.models import chat_ids
 
     _validate(args)
     prompt = _read_prompt(args)
@@ -121,8 +107,7 @@ def cmd_generate(args) -> int:
     model, tokenizer = load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": prompt}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                              return_dict=True)["input_ids"]
+    input_ids = chat_ids(tokenizer, messages)
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.sample:
         gen_kwargs.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),

@@ -1,8 +1,32 @@
-"""LookupConfig: the per-call options of lookup decoding, validated once."""
+"""LookupConfig: the per-call options of lookup decoding, and the one place options are validated."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def check_k(k) -> int:
+    """k (most draft tokens per step) as an int >= 0, else a TypeError/ValueError naming it."""
+    k = _int("k", k)
+    if k < 0:
+        raise ValueError(f"k (max draft tokens per step) must be >= 0, got {k}")
+    return k
+
+
+def check_match(min_match, max_match) -> tuple[int, int]:
+    """(min_match, max_match) as ints with 1 <= min_match <= max_match, else an error naming them."""
+    min_match, max_match = _int("min_match", min_match), _int("max_match", max_match)
+    if min_match < 1:
+        raise ValueError(f"min_match must be >= 1, got {min_match}")
+    if max_match < min_match:
+        raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
+    return min_match, max_match
 
 
 @dataclass(frozen=True)
@@ -16,22 +40,22 @@ class LookupConfig:
     max_match: longer matches count as this long when judging how far to trust a draft.
     adaptive: choose each draft length from measured forward cost and observed acceptance;
         False always verifies min(k, available) draft tokens.
+    hole_share, min_holes: batches compact their KV cache once the columns some row rejected (holes)
+        exceed this share of the cache and at least this many (a compaction copies the whole cache).
     """
     k: int = 32
     min_match: int = 1
     max_match: int = 64
     adaptive: bool = True
+    hole_share: float = 0.25
+    min_holes: int = 32
 
     def __post_init__(self):
-        for name in ("k", "min_match", "max_match"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-        if self.k < 0:
-            raise ValueError(f"k (max draft tokens per step) must be >= 0, got {self.k}")
-        if self.min_match < 1:
-            raise ValueError(f"min_match must be >= 1, got {self.min_match}")
-        if self.max_match < self.min_match:
-            raise ValueError(f"max_match ({self.max_match}) must be >= min_match ({self.min_match})")
+        check_k(self.k)
+        check_match(self.min_match, self.max_match)
         if not isinstance(self.adaptive, bool):
             raise TypeError(f"adaptive must be True or False, got {self.adaptive!r}")
+        if not 0 <= self.hole_share <= 1:
+            raise ValueError(f"hole_share must be in [0, 1], got {self.hole_share}")
+        if _int("min_holes", self.min_holes) < 0:
+            raise ValueError(f"min_holes must be >= 0, got {self.min_holes}")

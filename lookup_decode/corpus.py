@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lookup_decode.config import check_match
+from lookup_decode.draft import Draft
 from lookup_decode.index import SuffixIndex, as_token_array
 
 SEPARATOR = 2**31 - 1          # between entries: the largest id the index accepts, never a model token
@@ -256,16 +258,14 @@ def _read(path, kind: str):
 class Cursor:
     """One request's view of a corpus: follows the request's tokens, drafts what followed them there.
 
-    The proposer interface of the decode loop: `extend(tokens)`, `propose(max_tokens) -> int32 [d]`,
-    `match_len`. Occurrence rule: the index's (keep copying from the same place while it matches;
+    A `Drafter`: `extend(tokens)`, `propose(max_tokens) -> Draft`; `match_len` is the current match. Occurrence rule: the index's (keep copying from the same place while it matches;
     else the earliest occurrence of the longest suffix found in the corpus). Drafts stop before an
     EOS id and at the end of an entry.
     """
 
     def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()):
-        if int(min_match) < 1 or int(max_match) < int(min_match):
-            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
-        self.corpus, self.min_match, self.max_match = corpus, int(min_match), int(max_match)
+        self.min_match, self.max_match = check_match(min_match, max_match)
+        self.corpus = corpus
         self._stops = np.append(as_token_array(list(eos_token_ids), "eos_token_ids"), np.int32(SEPARATOR))
         self._tail = np.zeros(0, np.int32)     # the request's last tokens, for re-walking after a change
         self._state = SuffixIndex.new_cursor()
@@ -273,7 +273,7 @@ class Cursor:
         self.draft_end = -1                     # index position the last non-empty draft copied after
         self.draft_version = -1
 
-    def _sync(self) -> None:
+    def _catch_up(self) -> None:
         """Re-walk the tail if the corpus changed since this cursor last read it (caller holds the lock)."""
         if self._version != self.corpus.version:
             self._state = SuffixIndex.new_cursor()
@@ -288,22 +288,22 @@ class Cursor:
         self._tail = np.concatenate([self._tail, new])[-keep:]
         with self.corpus._lock:
             if self._version != self.corpus.version:
-                self._sync()
+                self._catch_up()
             else:
                 self.corpus._index.follow(self._state, new)
 
-    def propose(self, max_tokens: int) -> np.ndarray:
+    def propose(self, max_tokens: int) -> Draft:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         with self.corpus._lock:
-            self._sync()
+            self._catch_up()
             if self._state[3] < self.min_match or max_tokens == 0:
-                return np.zeros(0, np.int32)
+                return Draft(np.zeros(0, np.int32), self.match_len)
             end = int(self._state[2])
             draft = self.corpus._index.continuation(end, max_tokens, self._stops)
             if draft.size:
                 self.draft_end, self.draft_version = end, self.corpus.version
-            return draft
+            return Draft(draft, self.match_len)
 
     @property
     def match_len(self) -> int:

@@ -1,9 +1,9 @@
 """DraftModelProposer: drafts from a small Transformers model that shares the target's tokenizer.
 
-Unlike the suffix index, whose drafts are point masses, a draft model *samples* its drafts from its
-own distribution q, and exposes q so the verifier can apply the general speculative-sampling rule
-(accept with min(1, p/q), on rejection draw from max(0, p - q)); see `verify.accept_with_draft_probs`.
-It follows the same proposer protocol (`extend`, `propose`, `match_len`) plus `draft_probs`.
+Unlike the suffix index, whose drafts are point masses, a sampling draft model draws its drafts from
+its own distribution q and returns q with them (`Draft.probs`), so the verifier applies the general
+speculative-sampling rule (accept with min(1, p/q), on rejection draw from max(0, p - q)); see
+`verify.accept_with_draft_probs`. Argmax drafts (do_sample=False) are point masses like the index's.
 Its KV cache only ever holds accepted tokens: drafted tokens are cropped right after proposing.
 """
 
@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from lookup_decode.cache import cache_argument, check_croppable, crop, new_cache
+from lookup_decode.draft import Draft
+from lookup_decode.index import as_token_array
 
 
 class DraftModelProposer:
@@ -26,8 +28,6 @@ class DraftModelProposer:
         generator: torch.Generator for the draft samples.
     """
 
-    match_len = 0  # no suffix match behind these drafts; the draft policy buckets them together
-
     def __init__(self, draft_model, *, do_sample: bool = True, temperature: float = 1.0,
                  generator: torch.Generator | None = None):
         if temperature <= 0:
@@ -40,7 +40,6 @@ class DraftModelProposer:
         self.cache.activate_past_recording()   # sliding-window layers keep what speculative tokens evict
         self._cache_arg = cache_argument(draft_model)
         self.tokens: list[int] = []      # every accepted token, prompt included
-        self.draft_probs: torch.Tensor | None = None   # q of the last proposal, float [d, V]
 
     def check_compatible(self, target_model) -> None:
         """Clear errors for a draft model that cannot serve this target."""
@@ -55,7 +54,7 @@ class DraftModelProposer:
                              "move both to the same device")
 
     def extend(self, tokens) -> None:
-        self.tokens.extend(int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens))
+        self.tokens.extend(as_token_array(tokens).tolist())
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -63,10 +62,10 @@ class DraftModelProposer:
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def propose(self, max_tokens: int) -> np.ndarray:
-        self.draft_probs = None
+    def propose(self, max_tokens: int) -> Draft:
+        """Up to max_tokens drafted tokens (no suffix match behind them: match_len 0), with q when sampled."""
         if max_tokens <= 0 or not self.tokens:
-            return np.zeros(0, np.int32)
+            return Draft(np.zeros(0, np.int32))
         cached = self.cache.get_seq_length()
         logits = self._forward(self.tokens[cached:])          # bring the cache up to every accepted token
         draft, rows = [], []
@@ -78,5 +77,5 @@ class DraftModelProposer:
             if len(draft) < max_tokens:
                 logits = self._forward([tok])
         crop(self.cache, self.cache.get_seq_length() - len(self.tokens))   # drafts are speculative
-        self.draft_probs = torch.stack(rows)
-        return np.asarray(draft, dtype=np.int32)
+        # An argmax draft is a point mass: q is not softmax(logits) there, and the point-mass rule is exact.
+        return Draft(np.asarray(draft, dtype=np.int32), probs=torch.stack(rows) if self.do_sample else None)

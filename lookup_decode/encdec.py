@@ -42,6 +42,7 @@ def decoder_forward_kwargs(model, model_kwargs) -> dict:
 
 
 def check_proposer(model, proposer) -> None:
-    if proposer is not None and hasattr(proposer, "check_compatible"):
+    from lookup_decode.draft_model import DraftModelProposer
+    if isinstance(proposer, DraftModelProposer):
         raise ValueError(f"{type(model).__name__}: draft-model proposers are not supported for "
                                     "encoder-decoder models; use the default lookup proposer")

@@ -12,29 +12,27 @@ the package is in this module, `cache.py` and `stopping.py`.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from lookup_decode import encdec
-from lookup_decode.batch import BatchForward, check_batch_memory, lookup_generate_batch
-from lookup_decode.cache import cache_argument, check_batchable, check_croppable, crop, new_cache
+from lookup_decode.cache import check_batchable, check_croppable, crop, new_cache
 from lookup_decode.config import LookupConfig
-from lookup_decode.decode import Recorded, _Forward, lookup_generate
+from lookup_decode.cost import COSTS
+from lookup_decode.decode import Recorded, Rows, decode
+from lookup_decode.draft_model import DraftModelProposer
+from lookup_decode.forward import BatchForward, SequenceForward, check_batch_memory
 from lookup_decode.index import SuffixIndex
 from lookup_decode.policy import DraftPolicy
 from lookup_decode.sources import check_sources, with_sources
 from lookup_decode.stats import DecodeStats
+from lookup_decode.stopping import eos_ids
+from lookup_decode.verify import Rules
 
 _OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
-
-
-def _eos_ids(generation_config) -> list[int]:
-    eos = generation_config.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
@@ -63,8 +61,7 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
     if not getattr(model.config, "is_encoder_decoder", False):  # else the mask is the encoder input's
         _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
-    head = model.get_output_embeddings()
-    vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
+    vocab = _vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}): min {low}, max {high}")
@@ -97,7 +94,7 @@ def _pad_token_id(generation_config) -> int:
     pad = getattr(generation_config, "_pad_token_tensor", None)
     pad = pad if pad is not None else generation_config.pad_token_id
     if pad is None:
-        eos = _eos_ids(generation_config)
+        eos = eos_ids(generation_config)
         if not eos:
             raise ValueError("batched generation needs a pad_token_id (or an eos_token_id) to pad finished rows")
         pad = eos[0]
@@ -110,46 +107,73 @@ def _check_streamer(streamer, input_ids) -> None:
                          "(stream one request at a time)")
 
 
-def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                options: LookupConfig, stats, proposer, generator, cache, cache_arg, keep_logits, model_kwargs,
-                sources=()):
-    """Batches (or a left-padded row): one suffix index per row, ragged acceptance (see batch.py)."""
-    B = input_ids.shape[0]
+def _vocab_size(model) -> int:
+    head = model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
+@dataclass
+class _Call:
+    """What one lookup-decoding call was given besides transformers' own arguments."""
+    options: LookupConfig
+    stats: DecodeStats | None = None
+    proposer: object = None
+    generator: torch.Generator | None = None
+    sources: tuple = ()
+    rules: Rules = Rules()
+    costs: object = COSTS
+
+
+def _drafters(model, call: _Call, generation_config, rows: int) -> list:
+    """One drafter per row: the caller's proposer(s), else a SuffixIndex (with memory/references if given)."""
+    proposer, options = call.proposer, call.options
+    if proposer is not None and call.sources:
+        raise ValueError("memory/references draft through lookup_decode's own index; pass them or a proposer, not both")
+    if proposer is not None:
+        drafters = list(proposer) if isinstance(proposer, (list, tuple)) else [proposer]
+        if len(drafters) != rows:
+            raise ValueError(f"a batch of {rows} rows needs one proposer per row: pass proposer=[...] with {rows} "
+                             "proposers")
+        for d in drafters:
+            if isinstance(d, DraftModelProposer):
+                d.check_compatible(model)
+        return drafters
+    eos = eos_ids(generation_config)
+    drafters = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
+                for _ in range(rows)]
+    if call.sources:  # session memory / reference documents (memory.py, sources.py)
+        drafters = [with_sources(d, call.sources, _vocab_size(model), min_match=options.min_match,
+                                 max_match=options.max_match, eos_token_ids=eos) for d in drafters]
+    return drafters
+
+
+def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call: _Call,
+                cache, model_kwargs):
+    """Batches (or a left-padded row): one drafter per row, ragged acceptance (see forward.BatchForward)."""
+    B, options = input_ids.shape[0], call.options
     _check_streamer(streamer, input_ids)
     check_batchable(cache, model)
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         raise ValueError("output_scores/output_logits are not supported for batches yet; generate rows one by one")
-    if proposer is not None and sources:
-        raise ValueError("memory/references draft through lookup_decode's own index; pass them or a proposer, not both")
-    eos = _eos_ids(generation_config)
-    if proposer is None:
-        proposers = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
-                     for _ in range(B)]
-        if sources:  # every row drafts from the shared memory / references too
-            proposers = [with_sources(p, sources, _vocab_size(model), min_match=options.min_match,
-                                      max_match=options.max_match, eos_token_ids=eos) for p in proposers]
-    elif isinstance(proposer, (list, tuple)) and len(proposer) == B:
-        proposers = list(proposer)
-    else:
-        raise ValueError(f"a batch of {B} rows needs one proposer per row: pass proposer=[...] with {B} proposers")
-    for p in proposers:
-        if hasattr(p, "check_compatible"):
-            p.check_compatible(model)
+    drafters = _drafters(model, call, generation_config, B)
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"{type(model).__name__}.forward takes no position_ids; batched lookup decoding needs them")
-    check_batch_memory(model, B, generation_config.max_length, options.k)
+    check_batch_memory(model, B, generation_config.max_length, options.k, options.hole_share, options.min_holes)
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
-    sequences = lookup_generate_batch(
-        model, input_ids, mask, forward=BatchForward(model, cache, cache_arg, keep_logits), proposers=proposers,
-        k=options.k, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-        max_length=generation_config.max_length, pad_token_id=_pad_token_id(generation_config),
-        do_sample=bool(generation_config.do_sample), generator=generator, stats=stats, adaptive=options.adaptive)
-    P = input_ids.shape[1]
-    for b in range(B if sources else 0):  # the memory stores each row's output (up to its EOS)
+    do_sample = bool(generation_config.do_sample)
+    forward = BatchForward(model, cache, logits_processor, mask, do_sample=do_sample, generator=call.generator,
+                           rules=call.rules, hole_share=options.hole_share, min_holes=options.min_holes)
+    rows = Rows.start(input_ids, generation_config.max_length, pad_token_id=_pad_token_id(generation_config),
+                      do_sample=do_sample, generator=call.generator)
+    sequences = decode(rows, forward, drafters, DraftPolicy(options.k), prompt_mask=mask.to(torch.bool),
+                       stopping_criteria=stopping_criteria, stats=call.stats, adaptive=options.adaptive,
+                       costs=call.costs)
+    P, eos = input_ids.shape[1], eos_ids(generation_config)
+    for b in range(B if call.sources else 0):  # the memory stores each row's output (up to its EOS)
         out = sequences[b, P:]
         ends = torch.isin(out, torch.tensor(eos, device=out.device)).nonzero()
-        for _, corpus in sources:
+        for _, corpus in call.sources:
             corpus.remember(input_ids[b][mask[b] == 1], out[: int(ends[0]) + 1] if len(ends) else out)
     if not generation_config.return_dict_in_generate:
         return sequences
@@ -157,14 +181,8 @@ def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     return GenerateDecoderOnlyOutput(sequences=sequences)
 
 
-def _vocab_size(model) -> int:
-    head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.vocab_size
-
-
-def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                   options: LookupConfig, stats: DecodeStats | None, proposer, generator, model_kwargs,
-                   sources=(), inputs_tensor=None):
+def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call: _Call,
+                   model_kwargs, inputs_tensor=None):
     _check_request(model, input_ids, generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is None:
@@ -172,36 +190,26 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     check_croppable(cache, model)
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
-    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
     if _is_batched(model, input_ids, model_kwargs):
-        return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                           options, stats, proposer, generator, cache, cache_argument(model), keep_logits,
-                           model_kwargs, sources)
+        return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call,
+                           cache, model_kwargs)
     source, input_name, extra = None, "input_ids", None
     if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
-        encdec.check_proposer(model, proposer)
+        encdec.check_proposer(model, call.proposer)
         source = encdec.source_ids(model, inputs_tensor, model_kwargs)
         input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
-    forward = _Forward(model, cache, cache_argument(model), keep_logits, input_name, extra)
-    if hasattr(proposer, "check_compatible"):
-        proposer.check_compatible(model)
-    if proposer is not None and sources:
-        raise ValueError("memory/references draft through lookup_decode's own index; pass them or a proposer, not both")
-    if proposer is None:
-        proposer = SuffixIndex(min_match=options.min_match, max_match=options.max_match,
-                               eos_token_ids=_eos_ids(generation_config))
-        if sources:  # session memory / reference documents (memory.py, sources.py)
-            proposer = with_sources(proposer, sources, _vocab_size(model), min_match=options.min_match,
-                                    max_match=options.max_match, eos_token_ids=_eos_ids(generation_config))
+    do_sample = bool(generation_config.do_sample)
+    forward = SequenceForward(model, cache, logits_processor, do_sample=do_sample, generator=call.generator,
+                              rules=call.rules, input_name=input_name, extra=extra)
+    drafters = _drafters(model, call, generation_config, 1)
     if source is not None:
-        proposer.extend(source[0])
+        drafters[0].extend(source[0])
     record = Recorded() if generation_config.return_dict_in_generate else None
-    sequences = lookup_generate(
-        model, input_ids, forward=forward, proposer=proposer, policy=DraftPolicy(options.k),
-        logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-        max_length=generation_config.max_length, do_sample=bool(generation_config.do_sample),
-        generator=generator, streamer=streamer, stats=stats, record=record, adaptive=options.adaptive)
-    for _, corpus in sources:  # the memory stores this output for later requests
+    rows = Rows.start(input_ids, generation_config.max_length, do_sample=do_sample, generator=call.generator)
+    sequences = decode(rows, forward, drafters, DraftPolicy(call.options.k), stopping_criteria=stopping_criteria,
+                       stats=call.stats, streamer=streamer, record=record, adaptive=call.options.adaptive,
+                       costs=call.costs)
+    for _, corpus in call.sources:  # the memory stores this output for later requests
         corpus.remember(input_ids[0], sequences[0, input_ids.shape[1]:])
     if streamer is not None:
         streamer.end()
@@ -220,16 +228,19 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
 
 def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,
                     generator: torch.Generator | None = None, streamer=None, memory=None, references=None,
-                    **options):
+                    costs=COSTS, rules: Rules = Rules(), **options):
     """Return a callable for `model.generate(custom_generate=...)` with options bound.
 
     Useful when options must not travel through generate()'s kwargs, and to pass a streamer:
     transformers (5.x) does not hand `generate(streamer=...)` to a callable custom_generate, so
     bind it here (it receives the prompt first, then the generated tokens, like plain generate).
+    costs: the `CostModel` that keeps this model's measured forward costs (default: the shared
+    `lookup_decode.COSTS`). rules: the acceptance rules (`verify.Rules`); tests swap in a wrong one to
+    show that they catch it.
     """
     config = config if config is not None else LookupConfig(**options)
     bound_streamer = streamer
-    sources = check_sources(memory, references)
+    call = _Call(config, stats, proposer, generator, tuple(check_sources(memory, references)), rules, costs)
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=False, streamer=None, inputs_tensor=None, **model_kwargs):
@@ -239,8 +250,7 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
             _check_streamer(streamer, input_ids)
             streamer.put(input_ids.cpu())
         return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                              streamer, config, stats, proposer, generator, model_kwargs, sources=sources,
-                              inputs_tensor=inputs_tensor)
+                              streamer, call, model_kwargs, inputs_tensor=inputs_tensor)
 
     return decoding_loop
 
@@ -261,8 +271,8 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
 
     Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
     (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
-    place), proposer (any object with extend/propose/match_len; default a SuffixIndex over the
-    prompt and output), generator (torch.Generator for sampling), memory (a lookup_decode.Memory:
+    place), proposer (a `Drafter`: extend(tokens) and propose(max_tokens) -> Draft; one per row for a
+    batch; default a SuffixIndex over the prompt and output), generator (torch.Generator for sampling), memory (a lookup_decode.Memory:
     drafts also from earlier outputs, and stores this one), references (lookup_decode.References:
     drafts also from registered documents).
     """
@@ -287,6 +297,6 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
                               custom_generate=hook, **model_kwargs)
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
-    return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-                          options, stats, proposer, generator, model_kwargs, sources=check_sources(memory, references),
-                          inputs_tensor=inputs_tensor)
+    call = _Call(options, stats, proposer, generator, tuple(check_sources(memory, references)))
+    return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call,
+                          model_kwargs, inputs_tensor=inputs_tensor)

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import numpy as np
 
 from lookup_decode import _kernels as K
+from lookup_decode.config import check_match
+from lookup_decode.draft import Draft
 
 _MAX_TOKEN_ID = 2**31 - 1
 
@@ -66,20 +68,16 @@ class SuffixIndex:
 
     Example:
         >>> index = SuffixIndex([1, 2, 3, 4, 1, 2, 3], min_match=2)
-        >>> index.propose(3).tolist(), index.match_len
+        >>> draft = index.propose(3)
+        >>> draft.tokens.tolist(), draft.match_len
         ([4, 1, 2], 3)
     """
 
     def __init__(self, tokens: Iterable[int] = (), *, min_match: int = 1, max_match: int = 64,
                  eos_token_ids: Iterable[int] = (), resync_window: int = 64):
-        if int(min_match) < 1:
-            raise ValueError(f"min_match must be >= 1, got {min_match}")
-        if int(max_match) < int(min_match):
-            raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
+        self.min_match, self.max_match = check_match(min_match, max_match)
         if int(resync_window) < 0:
             raise ValueError(f"resync_window must be >= 0, got {resync_window}")
-        self.min_match = int(min_match)
-        self.max_match = int(max_match)
         self.resync_window = int(resync_window)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
         self._alloc(1024)
@@ -126,8 +124,9 @@ class SuffixIndex:
         K.extend(self._toks, self._slen, self._slink, self._sfirst, self._shead, self._etok, self._eto,
                  self._enext, self._hkey, self._hval, self._meta, new, self.resync_window)
 
-    def propose(self, max_tokens: int) -> np.ndarray:
-        """Tokens that followed the matched earlier occurrence: int32 [d], 0 <= d <= max_tokens.
+    def propose(self, max_tokens: int) -> Draft:
+        """The tokens that followed the matched earlier occurrence (int32 [d], 0 <= d <= max_tokens), with
+        the match length behind them.
 
         Empty when the current match is shorter than `min_match`. Never contains an EOS id.
         Overlap is allowed: in a repeated span the draft may end at the newest token.
@@ -135,10 +134,10 @@ class SuffixIndex:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if self._meta[K.MATCH_LEN] < self.min_match or max_tokens == 0:
-            return np.zeros(0, np.int32)
+            return Draft(np.zeros(0, np.int32), self.match_len)
         start = int(self._meta[K.MATCH_END]) + 1
         d = K.draft_length(self._toks, len(self), start, int(max_tokens), self.eos)
-        return self._toks[start:start + d].copy()
+        return Draft(self._toks[start:start + d].copy(), self.match_len)
 
     # Matching another text against this one (session memory, reference documents): the index is
     # only read, so one index serves any number of cursors; `new_cursor` gives a fresh one.

@@ -60,3 +60,39 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
         if bars_were_on:
             hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(path: str | Path | None = None):
+    """The tokenizer of the default model (or of a .gguf file / model folder) without loading weights."""
+    from transformers import AutoTokenizer
+    path = default_gguf() if path is None else Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """Prompt token ids (long [1, T]) through the model's chat template, ready for the assistant turn."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+def load_quietly(path=None, threads: int | None = None):
+    """(model, tokenizer) for the command line: the GGUF loader's progress bar is kept off stderr unless
+    loading fails; ModelNotFoundError becomes SystemExit with its message."""
+    import contextlib
+    import io
+    import sys
+    if threads is not None:
+        torch.set_num_threads(threads)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return load_model(path)
+    except ModelNotFoundError as e:
+        raise SystemExit(f"lookup-decode: {e}")
+    except Exception:
+        sys.stderr.write(captured.getvalue())
+        raise

@@ -1,90 +1,43 @@
-"""How many draft tokens to verify this step: expected kept tokens per second of forward.
+"""How many draft tokens to verify this step: expected emitted tokens per unit of forward cost.
 
-Verifying n draft tokens costs one forward over n + 1 tokens, and that cost is measured, not
-assumed: on a CPU the curve is far from flat (a 135M model: x2 from 1 to 16 tokens) and not even
-monotone. Acceptance is estimated online from what the model actually emitted, per bucket of match
-length (a 40-token match is far better evidence than a 2-token one). Each step picks the draft
-length d that maximizes E[tokens emitted | d] / cost(d + 1); d = 0 is plain decoding, so drafting
-only happens where it is expected to pay.
+Acceptance is estimated online from what the model actually emitted, per bucket of match length (a
+40-token match is far better evidence than a 2-token one). Each step picks the draft width w (tokens
+per row in the verify forward) that maximizes E[tokens emitted by all rows | w] / cost(w), with the
+measured cost of `cost.py`; w = 1 is plain decoding, so drafting only happens where it is expected to
+pay. One sequence is a batch of one. Then `fit` turns the chosen length into the draft to send: a
+cut chain, a tree pruned to the tokens the cost curve gives for free, or (compiled forwards) a
+chain rounded up to one of a few bucketed sizes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
+
+from lookup_decode.config import check_k
+from lookup_decode.draft import Draft, kept_prefix
 
 _N_BUCKETS = 8          # match length buckets: 1, 2-3, 4-7, ..., >= 128 (powers of two)
 _FORGET = 0.97          # per observation; recent behaviour matters more (output style drifts)
-_COST_EMA = 0.2
-
-# Acceptance per match-length bucket, measured by offline replay of the suffix index (with its re-sync
-# rule) on the shared real large-model outputs (cnn_dm, hagrid, code_edit, mt_redundant, editeval, clapnq;
-# 60 pairs each, cap 32; `python -m benchmarks.measure_priors`): P(first draft token kept) rises with the
-# match length; once one token is kept the next ones usually are too (a copy continues). The last bucket
-# is never reached with the default max_match (64) and copies its neighbour.
-_MEASURED_FIRST = np.array([0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99])
-_PRIOR_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
-# The prior for the first draft token is 0.6 x the measured rate. The measured rate pools steps that
-# continue a copy already being followed with fresh matches, but a request's first decisions are all
-# fresh matches, and those are wrong more often (outputs open with text of their own). Replayed on
-# held-out pairs (60-200 of each set) and priced with this machine's forward cost, the skeptical prior
-# wins on every set: projected speed-up after 8 tokens x0.76-1.65 -> x0.85-2.33, over whole outputs
-# +1-7% (geometric mean); factors 0.5-0.85 were tried, 0.5-0.6 best (`python -m benchmarks.prior_factor`,
-# benchmarks/results/replay/prior_factor.txt).
-_PRIOR_FIRST = 0.6 * _MEASURED_FIRST
+# Prior acceptance per match-length bucket: P(first draft token kept) and P(next kept | previous kept),
+# from offline replay on real large-model outputs; the first-token prior is scaled by FIRST_PRIOR_FACTOR
+# (a request's first decisions are fresh matches, wrong more often than copies being followed).
+# How they were measured, and the replay behind the factor: benchmarks/results/replay/priors.md.
+MEASURED_FIRST = np.array([0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99])
+PRIOR_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
+FIRST_PRIOR_FACTOR = 0.6
 # Worth a few observations only: each request's own acceptance takes over within a few steps.
 _PRIOR_WEIGHT = 4.0
+# Forward sizes (1 + draft length) of a compiled forward: log2(k) + 1 shapes instead of k + 1.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def _bucket(match_len: int) -> int:
+def bucket(match_len: int) -> int:
+    """Match-length bucket 0.._N_BUCKETS - 1: 1, 2-3, 4-7, ... (powers of two)."""
     return min(max(int(match_len), 1).bit_length() - 1, _N_BUCKETS - 1)
 
 
-class CostCurve:
-    """Seconds of one forward over n tokens, n = 1..max_n, kept as a calibrated shape times a live scale.
-
-    The shape comes from a start-up measurement at a few sizes (linear in between); every real step
-    then refines the shape at the size it used and rescales the whole curve, which follows context
-    growth (attention gets dearer as the cache grows) without re-measuring.
-    """
-
-    def __init__(self, sizes, seconds, max_n: int):
-        sizes = np.asarray(sizes, dtype=np.float64)
-        seconds = np.asarray(seconds, dtype=np.float64)
-        if np.any(seconds <= 0) or len(sizes) == 0:
-            raise ValueError("cost measurements must be positive")
-        self.max_n = int(max_n)
-        self.shape = np.interp(np.arange(self.max_n + 1), sizes, seconds)  # [max_n + 1], index = n
-        self.scale = 1.0
-
-    def __call__(self, n: int) -> float:
-        if n > self.max_n:
-            raise ValueError(f"cost of {n} tokens asked, but the curve was measured up to {self.max_n}")
-        return self.shape[n] * self.scale
-
-    def observe(self, n: int, seconds: float) -> None:
-        if n > self.max_n or seconds <= 0:
-            return
-        # The scale moves slowly (it shifts every size at once); the size just used moves faster.
-        self.scale *= 1.0 + 0.25 * _COST_EMA * (seconds / self(n) - 1.0)
-        self.shape[n] += _COST_EMA * (seconds / self.scale - self.shape[n])
-
-
-def measure_cost_curve(forward_n: Callable[[int], float], max_n: int, grid=None) -> CostCurve:
-    """Time `forward_n(n)` (which returns seconds) at a few sizes up to max_n and build the curve.
-
-    grid: the sizes to time (a compiled forward is timed only at the sizes it will run).
-    """
-    grid = sorted(grid or {n for n in (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64, max_n)
-                           if n <= max_n})
-    forward_n(grid[-1])  # warm-up: first use of a shape allocates
-    seconds = [min(forward_n(n), forward_n(n)) if n <= 2 else forward_n(n) for n in grid]
-    return CostCurve(grid, seconds, max_n)
-
-
 class DraftPolicy:
-    """Chooses the draft length per step and learns acceptance from the tokens emitted.
+    """Chooses the draft width per step and learns acceptance from the tokens emitted.
 
     Acceptance model per match-length bucket: a1 = P(first draft token kept), a2 = P(next kept |
     previous kept), so E[emitted | d] = 1 + a1 (1 + a2 + ... + a2^(d-1)). Counts decay with
@@ -94,36 +47,45 @@ class DraftPolicy:
 
     Args:
         k: the most draft tokens ever verified in one step.
-        cost: measured forward cost; None disables adaptation (always verify min(k, draft) tokens).
+        cost: measured forward cost (`CostCurve` or `BatchCost`); None disables adaptation (always
+            verify min(k, draft) tokens).
+        first_prior_factor: scales the prior of the first draft token (replay studies vary it).
     """
 
-    def __init__(self, k: int, cost: CostCurve | None = None):
-        if int(k) < 0:
-            raise ValueError(f"k (max draft tokens) must be >= 0, got {k}")
-        self.k = int(k)
+    def __init__(self, k: int, cost=None, *, first_prior_factor: float = FIRST_PRIOR_FACTOR):
+        self.k = check_k(k)
         self.cost = cost
         # [bucket, (kept, tried)] for the first position and for later positions, starting from the
-        # prior rates below with the weight of _PRIOR_WEIGHT observations.
-        self.first = np.stack([_PRIOR_FIRST * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
-        self.later = np.stack([_PRIOR_LATER * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
+        # prior rates with the weight of _PRIOR_WEIGHT observations.
+        first = first_prior_factor * MEASURED_FIRST
+        self.first = np.stack([first * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
+        self.later = np.stack([PRIOR_LATER * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
         self._powers = np.arange(self.k + 1, dtype=np.float64)
 
     def expected_emitted(self, match_len: int, max_d: int) -> np.ndarray:
         """E[tokens emitted | d] for d = 0..max_d, float64 [max_d + 1]."""
-        b = _bucket(match_len)
+        b = bucket(match_len)
         a1 = self.first[b, 0] / self.first[b, 1]
         a2 = self.later[b, 0] / self.later[b, 1]
         kept_after_first = np.concatenate([[0.0], np.cumsum(a2 ** self._powers[:max_d])])
         return 1.0 + a1 * kept_after_first
 
-    def choose(self, available: int, match_len: int) -> int:
-        """Draft tokens to verify now, 0 <= d <= min(k, available)."""
-        max_d = min(self.k, available)
+    def choose(self, drafts: list[Draft]) -> int:
+        """Draft width w (tokens per row in the verify forward, 1 = no draft) maximizing E[emitted] / cost(w).
+
+        Each row drafts min(len(its chain), w - 1) tokens: within one padded forward a row's extra
+        draft tokens cost nothing more, so only the common width is a choice.
+        """
+        lengths = [min(len(d.chain), self.k) for d in drafts]
+        max_d = max(lengths, default=0)
         if max_d == 0 or self.cost is None:
-            return max_d
-        gain = self.expected_emitted(match_len, max_d)
-        cost = np.array([self.cost(d + 1) for d in range(max_d + 1)])
-        return int(np.argmax(gain / cost))
+            return max_d + 1
+        d = np.arange(max_d + 1)
+        gain = np.zeros(max_d + 1)
+        for n, draft in zip(lengths, drafts):
+            gain += self.expected_emitted(draft.match_len, max_d)[np.minimum(d, n)]
+        price = np.array([self.cost(w + 1) for w in d])
+        return int(np.argmax(gain / price)) + 1
 
     def tree_budget(self, n: int) -> int | None:
         """Most tree nodes worth verifying when the chain verifies n: extra branches only where the measured
@@ -134,14 +96,33 @@ class DraftPolicy:
         base = self.cost(n + 1)
         return max([m for m in range(n, self.cost.max_n) if self.cost(m + 1) <= base])
 
-    def observe(self, draft: np.ndarray, emitted: np.ndarray, match_len: int) -> None:
-        """Learn from the full proposed draft (int [p]) and the tokens this step emitted (int [e])."""
-        n = min(len(draft), len(emitted))
+    def fit(self, full: Draft, n: int, limit: int, shapes: str) -> Draft:
+        """The draft to verify when the policy chose n tokens of `full`.
+
+        shapes: "chain" (the first n tokens), "tree" (a tree keeps the branches the cost curve gives
+        for free), or "buckets" (a compiled forward: 1 + length rounded up to a size in BUCKETS that fits
+        limit + 1, padded with more of the proposal, then with token 0 — a filler is almost always
+        rejected, and verification keeps only what the model itself emits).
+        Example (buckets): chain [5, 6, 7], n=2, limit=31 -> [5, 6, 7]; chain [5], n=1 -> [5]; n=0 -> [].
+        """
+        if shapes == "tree":
+            return full.cut(n, self.tree_budget(n) if n > 0 else 0)
+        if shapes == "chain":
+            return full.cut(n)
+        fitting = [b for b in BUCKETS if b - 1 <= limit]
+        d = next((b for b in fitting if b >= n + 1), fitting[-1]) - 1
+        chain = full.chain
+        tokens = chain[:d] if d <= len(chain) else np.concatenate([chain, np.zeros(d - len(chain), chain.dtype)])
+        return Draft(tokens, full.match_len)
+
+    def observe(self, draft: Draft, emitted) -> None:
+        """Learn from the full proposed draft and the tokens this step emitted (int [e])."""
+        chain = draft.chain
+        n = min(len(chain), len(emitted))
         if n == 0:
             return
-        b = _bucket(match_len)
-        same = np.asarray(draft[:n]) == np.asarray(emitted[:n])
-        kept = int(np.argmin(same)) if not same.all() else n  # kept prefix length
+        b = bucket(draft.match_len)
+        kept = kept_prefix(chain, emitted)
         tried_later = min(kept, n - 1)                          # later positions actually decided
         self.first[b] *= _FORGET
         self.later[b] *= _FORGET

@@ -1,17 +1,15 @@
 """Drafting from several sources at once: the current request, session memory, reference documents.
 
-`SourcesProposer` has the proposer interface of the decode loop (`extend`, `propose`, `match_len`)
-and wraps one proposer per source: the request's own `SuffixIndex` and a `Cursor` per corpus.
+`SourcesProposer` is a `Drafter` (`extend`, `propose -> Draft`) that wraps one drafter per source:
+the request's own `SuffixIndex` and a `Cursor` per corpus.
 
 Choice rule, per step: every source proposes; among the non-empty drafts the one backed by the
 longest match wins (a longer matched suffix is stronger evidence, the same signal the draft policy
 buckets acceptance by); ties go to the more recent text: the request itself, then the memory (the
 model's own earlier outputs), then the reference documents. A corpus is large, so short matches
 there are often chance: while the request has a draft of its own, a corpus draft must rest on at
-least CORPUS_MIN_MATCH (4) tokens; when the request has none, ALONE_MIN_MATCH (2) suffice. (Offline
-replay, benchmarks/replay_memory.py: with corpus matches of any length memory cost ~3% of modelled
-speed on ClapNQ RAG; with 4/2 it is within 0.5% there and keeps ~2.7x where the prompt lacks the text.)
-The draft length is then chosen by
+least CORPUS_MIN_MATCH (4) tokens; when the request has none, ALONE_MIN_MATCH (2) suffice (chosen by
+offline replay: benchmarks/results/memory_replay/). The draft length is then chosen by
 the same `DraftPolicy` as without memory (from the winning match length and the measured forward
 cost), so a source whose drafts get rejected gets short or no verification, as any weak match does.
 """
@@ -23,6 +21,8 @@ from collections import Counter
 import numpy as np
 
 from lookup_decode.corpus import Corpus, Cursor
+from lookup_decode.draft import Draft, kept_prefix
+from lookup_decode.index import as_token_array
 
 REQUEST, MEMORY, REFERENCES = "request", "memory", "references"
 CORPUS_MIN_MATCH = 4
@@ -48,20 +48,16 @@ class SourcesProposer:
         alone = min(max(min_match, alone_min_match), self.corpus_min_match)
         self.sources = [request] + [c.cursor(min_match=alone, max_match=max_match, eos_token_ids=eos_token_ids)
                                     for _, c in corpora]
-        self.match_len = 0
         self.drafts_from: Counter = Counter()
         self.accepted_from: Counter = Counter()
-        self._last: tuple[int, np.ndarray] | None = None   # (source, draft) of the last non-empty proposal
+        self._last: tuple[int, np.ndarray] | None = None   # (source, tokens) of the last non-empty proposal
 
     def extend(self, tokens) -> None:
         if self._last is not None:
             # The tokens that follow a proposal are the ones the model emitted: the kept prefix of the
             # draft is what that source got right (same trick as DraftPolicy.observe).
             src, draft = self._last
-            new = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
-            n = min(len(draft), len(new))
-            same = draft[:n] == new[:n]
-            kept = n if same.all() else int(np.argmin(same))
+            kept = kept_prefix(draft, as_token_array(tokens))
             if kept:
                 self.accepted_from[self.names[src]] += kept
                 if isinstance(self.sources[src], Cursor):
@@ -70,21 +66,21 @@ class SourcesProposer:
         for source in self.sources:
             source.extend(tokens)
 
-    def propose(self, max_tokens: int) -> np.ndarray:
-        """int32 [d]: the draft of the source with the longest match (ties: earlier source)."""
-        best, best_len, best_src = np.zeros(0, np.int32), -1, -1
+    def propose(self, max_tokens: int) -> Draft:
+        """The draft of the source with the longest match (ties: earlier source)."""
+        best, best_src = None, -1
         for i, source in enumerate(self.sources):
             draft = source.propose(max_tokens)
-            if i > 0 and best_src == 0 and source.match_len < self.corpus_min_match:
+            if i == 0:
+                request = draft
+            if i > 0 and best_src == 0 and draft.match_len < self.corpus_min_match:
                 continue                        # short corpus matches only count when the request has nothing
-            if len(draft) and source.match_len > best_len:
-                best, best_len, best_src = draft, source.match_len, i
-        if best_src < 0:
-            self.match_len = self.sources[0].match_len
-            return best
-        self.match_len = best_len
+            if len(draft) and (best is None or draft.match_len > best.match_len):
+                best, best_src = draft, i
+        if best is None:
+            return request
         self.drafts_from[self.names[best_src]] += 1
-        self._last = (best_src, best)
+        self._last = (best_src, best.tokens)
         return best
 
 

@@ -21,13 +21,17 @@ class DecodeStats:
     accepted_at: list[int] = field(default_factory=list)  # [k] steps that kept draft position i
     draft_lengths: list[int] = field(default_factory=list)  # [steps] tokens drafted per step
     accepted_lengths: list[int] = field(default_factory=list)  # [steps] draft tokens kept per step
+    tree_steps: int = 0                 # steps that verified a tree (several branches in one forward)
+    off_chain: int = 0                  # tree steps that kept tokens of a branch other than the first
     prefill_s: float = 0.0              # prompt forward (+ one-time cost calibration)
     model_s: float = 0.0                # verification forwards and acceptance
     proposer_s: float = 0.0             # index extend + propose + draft-length choice
     total_s: float = 0.0                # wall time of the whole call
 
-    def observe(self, drafted: int, accepted: int) -> None:
+    def observe(self, drafted: int, accepted: int, *, tree: bool = False, off_chain: bool = False) -> None:
         self.steps += 1
+        self.tree_steps += int(tree)
+        self.off_chain += int(off_chain)
         self.drafted += drafted
         self.accepted += accepted
         self.draft_lengths.append(drafted)
@@ -53,7 +57,7 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         """Add another call's counts (e.g. across the prompts of a benchmark)."""
-        for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted",
+        for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "tree_steps", "off_chain",
                      "prefill_s", "model_s", "proposer_s", "total_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_lengths.extend(other.draft_lengths)

@@ -18,11 +18,23 @@ import torch
 from transformers import StoppingCriteria
 
 
+def eos_ids(eos) -> list[int]:
+    """EOS ids as a list of ints, from a generation config or a plain value (None, an int, a list, a tensor)."""
+    eos = getattr(eos, "eos_token_id", eos)
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(e) for e in eos.reshape(-1).tolist()]
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
 def first_stop(stopping_criteria, ids: torch.Tensor, start: int, end: int, scores=None) -> int | None:
     """Index j in [start, end) of the first token after which a criterion says stop, else None.
 
-    ids: long [1, >= end]; the criteria see ids[:, : j + 1], as plain decoding would.
+    ids: long [1, >= end]; the criteria see ids[:, : j + 1], as plain decoding would. None: no criteria.
     """
+    if not stopping_criteria:
+        return None
     for j in range(start, end):
         if bool(stopping_criteria(ids[:, : j + 1], scores).any()):
             return j

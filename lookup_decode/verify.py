@@ -1,5 +1,10 @@
 """Acceptance rules: pure functions of (draft, target scores). No model, cache or index in here.
 
+Chains, trees, drafts with a distribution q, and the logits processors run per row with the prefix
+that row would have seen in plain decoding all live here; `verify_row` and `verify_tree` are what a
+decoding step calls, with the rules of a `Rules` value (tests swap in a wrong rule as a negative
+control).
+
 A step verifies draft d_1..d_n with one forward over [last, d_1..d_n], giving n + 1 rows of target
 scores (row i = the distribution after d_1..d_i). Each rule returns the *emitted* tokens: the
 accepted drafts followed by one target token, which is the *recovered* token after a rejection
@@ -8,6 +13,9 @@ or the *bonus* token when every draft was kept (vocabulary of vLLM's rejection s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 
@@ -95,3 +103,98 @@ def accept_with_draft_probs(draft: torch.Tensor, probs: torch.Tensor, draft_prob
         row = residual if residual.sum() > 0 else row
     last = torch.multinomial(row / row.sum(), 1, generator=generator)
     return torch.cat([draft[:n_kept], last.to(draft.dtype)])
+
+
+def accept_tree(tokens: np.ndarray, parents: np.ndarray, row_scores, uniforms: torch.Tensor | None):
+    """Descend a tree of draft nodes from the root, one target token per visited node.
+
+    tokens, parents: int [N] (parent -1 = the root, the last committed token). row_scores(row, path) ->
+    float [1, V]: processed scores of forward row `row` (0 = root, j + 1 = node j), whose prefix is the
+    committed text + tokens[path]. uniforms: None (greedy) or float64 [>= depth + 1], one per output
+    position. The emitted tokens are those chain verification of the followed branch would give.
+    Returns (emitted long [m + 1], path: the m accepted node indices, rows: the m + 1 score rows used).
+    """
+    children: dict[int, dict[int, int]] = {}
+    for j in range(len(tokens)):
+        children.setdefault(int(parents[j]), {})[int(tokens[j])] = j
+    node, path, rows = -1, [], []
+    while True:
+        rows.append(row_scores(node + 1, path))
+        if uniforms is None:
+            x = int(rows[-1].argmax(-1))
+        else:
+            x = int(sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[len(path): len(path) + 1]))
+        nxt = children.get(node, {}).get(x)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    emitted = torch.tensor([int(tokens[j]) for j in path] + [x], dtype=torch.long)
+    return emitted, path, rows
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The acceptance rules a decoding step applies (one field per kind of draft)."""
+    row_by_row: object = accept_row_by_row
+    draft_probs: object = accept_with_draft_probs
+    tree: object = accept_tree
+
+
+def processed(logits_processor, ids: torch.Tensor, b: int, length: int, logits: torch.Tensor) -> torch.Tensor:
+    """Scores of row b (float [1, V]) after the logits processors, with exactly the prefix ids[b, :length].
+
+    Processors may hold per-row state shaped like the batch (repetition penalty keeps each row's padding
+    length), so they see a [B, length] batch with row b in slot b. Rows advance raggedly, so the other
+    slots hold stand-ins (whatever those rows have up to `length`) whose results are dropped.
+    """
+    if not logits_processor:
+        return logits
+    batch_scores = logits.expand(ids.shape[0], -1).clone()
+    return logits_processor(ids[:, :length], batch_scores)[b: b + 1]
+
+
+def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor, b: int, cur: int,
+               uniforms: torch.Tensor | None, generator=None, rules: Rules = Rules()):
+    """Emitted tokens (long [m + 1]) of row b and the processed score rows they came from ([>= m + 1, V]).
+
+    draft: a chain `Draft` of n tokens, already written at ids[b, cur: cur + n]; logits: float [n + 1, V],
+    row i scoring the token after ids[b, :cur + i]. uniforms: None for greedy, else float64 [>= n + 1],
+    one per output position (see accept_sampled).
+    """
+    n = len(draft)
+    tokens = torch.from_numpy(draft.tokens).to(device=logits.device, dtype=torch.long)
+
+    def row(i):
+        return processed(logits_processor, ids, b, cur + i, logits[i: i + 1])
+
+    if uniforms is not None and draft.probs is not None and n > 0:
+        # Drafts sampled from q (a draft model): the rejection rule needs p on every row.
+        scores = torch.cat([row(i) for i in range(n + 1)])
+        probs = torch.softmax(scores, dim=-1)
+        return rules.draft_probs(tokens, probs, draft.probs[:n].to(probs.device), generator), scores
+    if not logits_processor:                             # nothing to run per row: decide all rows at once
+        if uniforms is None:
+            return accept_greedy(tokens, logits), logits
+        return accept_sampled(tokens, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
+    emitted, rows = rules.row_by_row(tokens, row, uniforms)
+    return emitted, torch.cat(rows)
+
+
+def verify_tree(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor, cur: int,
+                uniforms: torch.Tensor | None, rules: Rules = Rules()):
+    """Tree verification of one sequence: logits float [N + 1, V] of the forward over [last token, nodes].
+
+    Returns (emitted long [m + 1], path (accepted node indices), score rows [m + 1, V], logits rows [m + 1, V]).
+    """
+    raw = []
+
+    def row(r, path):
+        raw.append(logits[r: r + 1])
+        if not logits_processor:
+            return logits[r: r + 1]
+        nodes = torch.as_tensor(draft.tokens[path], dtype=torch.long, device=ids.device).view(1, -1)
+        return logits_processor(torch.cat([ids[:, :cur], nodes], dim=1), logits[r: r + 1].clone())
+
+    emitted, path, rows = rules.tree(draft.tokens, draft.parents, row, uniforms)
+    return emitted.to(ids.device), path, torch.cat(rows), torch.cat(raw)

@@ -6,14 +6,15 @@ import pytest
 import torch
 
 import lookup_decode
-import lookup_decode.batch as batch_module
-import lookup_decode.decode as decode_module
 import test_sampling as ts
 import tiny_models
 from conftest import TINY_ARCHS, VOCAB, chat_ids, make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats
-from lookup_decode.batch import BatchCost, check_batch_memory, choose_width
-from lookup_decode.policy import CostCurve, DraftPolicy
+from lookup_decode import Draft, LookupConfig
+from lookup_decode.cost import BatchCost, CostCurve
+from lookup_decode.forward import check_batch_memory
+from lookup_decode.policy import DraftPolicy
+from lookup_decode.verify import Rules
 from test_sampling import model  # noqa: F401  (the vocabulary-6 sampling model fixture)
 
 NEAR_TIE = 1e-5
@@ -94,64 +95,78 @@ def test_rows_that_stop_early_are_padded_like_plain_generate(arch):
     assert stats.accepted > 0
 
 
-def test_compaction_every_step_changes_nothing_and_bounds_the_cache(monkeypatch, tiny_llama):
+def _record_forwards(model):
+    """(rows, cache columns before the step, valid columns of the fullest row) of every forward of `model`,
+    by a forward pre-hook (torch's public injection point); call the returned `remove` to take it off."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs.get("attention_mask")
+        if mask is not None and mask.ndim == 2:
+            before = mask[:, : mask.shape[1] - ids.shape[1]]
+            seen.append((ids.shape[0], before.shape[1], int(before.sum(1).max())))
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True).remove
+
+
+def _steps_with(model, ids, mask, max_new_tokens, config):
+    """(output, [(rows, cache columns, valid columns of the fullest row)] of every verify forward)."""
+    seen, remove = _record_forwards(model)
+    try:
+        hook = lookup_decode.lookup_decoding(config, stats=DecodeStats())
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                             eos_token_id=None, custom_generate=hook)
+    finally:
+        remove()
+    return out, [s for s in seen if s[1] > ids.shape[1]]       # not the prefill or the first step
+
+
+def test_compaction_every_step_changes_nothing_and_bounds_the_cache(tiny_llama):
     prompts = mixed_prompts(6, seed=3)
     ids, mask = left_pad(prompts)
     theirs, logits = plain_batch(tiny_llama, ids, mask, 60, eos_token_id=None)
-    calls = []
-    real_compact = batch_module.compact
-
-    def counting_compact(cache, m):
-        calls.append(m.shape[1])
-        out = real_compact(cache, m)
-        assert out.shape[1] == int(m.sum(1).max())          # exactly the longest row's valid columns remain
-        return out
-
-    monkeypatch.setattr(batch_module, "compact", counting_compact)
-    monkeypatch.setattr(batch_module, "_MIN_HOLES", 0)
-    monkeypatch.setattr(batch_module, "_HOLE_SHARE", 0.0)
-    stats = DecodeStats()
-    ours = lookup_batch(tiny_llama, ids, mask, 60, stats, eos_token_id=None)
+    # Fixed draft lengths, so both runs take the same steps: compacting whenever a hole exists vs never.
+    ours, steps = _steps_with(tiny_llama, ids, mask, 60, LookupConfig(min_match=1, adaptive=False, hole_share=0.0,
+                                                                      min_holes=0))
+    _, uncompacted = _steps_with(tiny_llama, ids, mask, 60, LookupConfig(min_match=1, adaptive=False, hole_share=1.0,
+                                                                        min_holes=1000))
     P = ids.shape[1]
     for b in range(len(prompts)):
         assert_same_or_near_tie(ours[b, P:].tolist(), theirs[b, P:].tolist(), logits[b])
-    assert len(calls) > 3, "guard: ragged acceptance left holes to compact"
+    # After a step's compaction exactly the fullest row's valid columns remain (rows leaving leave columns
+    # behind until the next step compacts them).
+    assert all(columns == valid for (rows0, _, _), (rows, columns, valid) in zip(steps, steps[1:]) if rows == rows0)
+    assert len(steps) == len(uncompacted)
+    assert sum(a[1] < b[1] for a, b in zip(steps, uncompacted)) > 3, "guard: ragged acceptance left holes to compact"
 
 
-def _record_forwards(monkeypatch):
-    """(rows, cache columns before the step) of every batched forward."""
-    seen = []
-    real_call = batch_module.BatchForward.__call__
-
-    def recording(self, ids, mask, positions, n_logits):
-        seen.append((ids.shape[0], mask.shape[1] - ids.shape[1]))
-        return real_call(self, ids, mask, positions, n_logits)
-
-    monkeypatch.setattr(batch_module.BatchForward, "__call__", recording)
-    return seen
-
-
-def test_holes_stay_bounded_with_default_thresholds(monkeypatch, tiny_llama):
-    seen = _record_forwards(monkeypatch)
+def test_holes_stay_bounded_with_default_thresholds(tiny_llama):
     prompts = mixed_prompts(4, seed=11)
     ids, mask = left_pad(prompts)
     stats = DecodeStats()
-    lookup_batch(tiny_llama, ids, mask, 150, stats, eos_token_id=None)
+    seen, remove = _record_forwards(tiny_llama)
+    try:
+        lookup_batch(tiny_llama, ids, mask, 150, stats, eos_token_id=None)
+    finally:
+        remove()
     valid = ids.shape[1] + 150                       # the most columns a row can fill
-    bound = max(valid + batch_module._MIN_HOLES, valid / (1 - batch_module._HOLE_SHARE)) + 33
-    assert max(columns for _, columns in seen) <= bound
+    config = LookupConfig()
+    bound = max(valid + config.min_holes, valid / (1 - config.hole_share)) + 33
+    assert max(columns for _, columns, _ in seen) <= bound
     assert stats.accepted > 0
 
 
-def test_finished_rows_leave_the_batch(monkeypatch, tiny_llama):
+def test_finished_rows_leave_the_batch(tiny_llama):
     prompts = mixed_prompts(5, seed=7)
     ids, mask = left_pad(prompts)
     free, _ = plain_batch(tiny_llama, ids, mask, 40, eos_token_id=None)
     eos = int(free[0, ids.shape[1] + 5])
-    seen = _record_forwards(monkeypatch)
-    out = lookup_batch(tiny_llama, ids, mask, 40, DecodeStats(), eos_token_id=eos)
+    seen, remove = _record_forwards(tiny_llama)
+    try:
+        out = lookup_batch(tiny_llama, ids, mask, 40, DecodeStats(), eos_token_id=eos)
+    finally:
+        remove()
     assert (out[:, -1] == 0).any(), "guard: a row stopped early"
-    assert seen[0][0] == 5 and min(rows for rows, _ in seen) < 5
+    assert seen[0][0] == 5 and min(rows for rows, _, _ in seen) < 5
 
 
 def test_repetition_penalty_per_row(tiny_llama):
@@ -191,16 +206,17 @@ def test_real_model_batch_equals_plain_batched_generate(real_model):
 
 # ---------------------------------------------------------------- sampling: each row its own stream
 
-def _batched_sample_counts(model, gen_kwargs, stats):
+def _batched_sample_counts(model, gen_kwargs, stats, rules=Rules()):
     """N samples of the first L tokens, 8 rows per call; every row is PROMPT after 2 left pads."""
     ids = torch.cat([torch.zeros(8, 2, dtype=torch.long), ts.PROMPT.expand(8, -1)], 1)
     mask = (torch.arange(ids.shape[1]) >= 2).long().expand(8, -1)
     generator = torch.Generator().manual_seed(3)
     counts = np.zeros(ts.V ** ts.L, dtype=np.int64)
+    hook = lookup_decode.lookup_decoding(k=4, min_match=1, adaptive=False, stats=stats, generator=generator,
+                                         rules=rules)
     for _ in range(ts.N // 8):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=ts.L, do_sample=True, pad_token_id=0,
-                             custom_generate=lookup_decode.generate, k=4, min_match=1, adaptive=False, stats=stats,
-                             generator=generator, **gen_kwargs)[:, ids.shape[1]:]
+                             custom_generate=hook, **gen_kwargs)[:, ids.shape[1]:]
         for row in out.tolist():
             counts[np.ravel_multi_index(row, [ts.V] * ts.L)] += 1
     return counts
@@ -215,10 +231,10 @@ def test_batched_sampling_rows_follow_the_exact_distribution(model, name):
     assert 0 < stats.accepted < stats.drafted, "guard: drafts were both kept and rejected"
 
 
-def test_batched_sampling_negative_control_is_rejected(model, monkeypatch):
+def test_batched_sampling_negative_control_is_rejected(model):
     target = ts.exact_joint(model, **ts.CONFIGS["temperature_1"])
-    monkeypatch.setattr(decode_module, "accept_row_by_row", ts._keep_every_draft)
-    counts = _batched_sample_counts(model, ts.CONFIGS["temperature_1"], DecodeStats())
+    rules = Rules(row_by_row=ts._keep_every_draft)
+    counts = _batched_sample_counts(model, ts.CONFIGS["temperature_1"], DecodeStats(), rules)
     assert ts.chi_square_pvalue(counts, target) < ts.ALPHA
 
 
@@ -232,16 +248,15 @@ def relative_cost(curve: CostCurve, rows: int, k: int) -> BatchCost:
 def test_width_policy_drafts_less_as_the_batch_grows():
     # Synthetic cost: flat up to 16 tokens, then linear (a device saturates): same evidence per row.
     curve = CostCurve([1, 16, 1024], [1.0, 1.0, 64.0], 1024)
-    full = np.arange(32, dtype=np.int32)
-    widths = [choose_width(DraftPolicy(32), [full] * rows, [8] * rows, relative_cost(curve, rows, 32), 32)
-              for rows in (1, 4, 16)]
+    full = Draft(np.arange(32, dtype=np.int32), match_len=8)
+    widths = [DraftPolicy(32, relative_cost(curve, rows, 32)).choose([full] * rows) for rows in (1, 4, 16)]
     assert widths[0] > widths[1] > widths[2] >= 1
 
 
 def test_width_policy_never_drafts_when_nothing_was_proposed():
     cost = relative_cost(CostCurve([1, 64], [1.0, 1.0], 64), 3, 8)
-    empty = np.zeros(0, dtype=np.int32)
-    assert choose_width(DraftPolicy(8), [empty] * 3, [0] * 3, cost, 8) == 1
+    empty = Draft(np.zeros(0, dtype=np.int32))
+    assert DraftPolicy(8, cost).choose([empty] * 3) == 1
 
 
 def test_batch_cost_learns_ratios_against_width_one_steps_of_the_same_rows():

@@ -7,7 +7,7 @@ import torch
 import lookup_decode
 import reference
 from conftest import VOCAB, make_tiny, repetitive_prompt
-from lookup_decode import DecodeStats
+from lookup_decode import DecodeStats, Draft
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -28,7 +28,6 @@ class ReplayProposer:
     def __init__(self, prompt_len, continuation, wrong=False):
         self.continuation = list(continuation)
         self.prompt_len, self.seen, self.wrong = prompt_len, 0, wrong
-        self.match_len = 64
 
     def extend(self, tokens):
         self.seen += len(tokens)
@@ -36,7 +35,7 @@ class ReplayProposer:
     def propose(self, max_tokens):
         done = self.seen - self.prompt_len
         draft = np.array(self.continuation[done: done + max_tokens], dtype=np.int32)
-        return (draft + 1) % VOCAB if self.wrong else draft
+        return Draft((draft + 1) % VOCAB if self.wrong else draft, match_len=64)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -143,7 +142,7 @@ def test_index_never_drafts_eos(tiny_llama):
     proposer = lookup_decode.SuffixIndex(min_match=2, eos_token_ids=[2])
     lookup(tiny_llama, prompt, stats, max_new_tokens=1 + 1, eos_token_id=2, proposer=proposer, adaptive=False)
     proposer_drafts = lookup_decode.SuffixIndex(prompt[0], min_match=2, eos_token_ids=[2]).propose(8)
-    assert proposer_drafts.tolist() == [7]
+    assert proposer_drafts.tokens.tolist() == [7]
 
 
 class Recorder:

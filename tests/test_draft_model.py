@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lookup_decode
-import lookup_decode.decode as decode_module
+from lookup_decode.verify import Rules
 from conftest import make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats, DraftModelProposer
 from test_sampling import CONFIGS, L, PROMPT, V, exact_joint, sample_counts
@@ -50,13 +50,14 @@ def target():
     return tiny_llama(V, seed=0)
 
 
-def draft_sampler(draft_model, stats, seed):
+def draft_sampler(draft_model, stats, seed, rules=Rules()):
     generator = torch.Generator().manual_seed(seed)
 
     def run(model, **gen_kwargs):
         proposer = DraftModelProposer(draft_model, do_sample=True, temperature=1.3, generator=generator)
-        return model.generate(PROMPT, max_new_tokens=L, do_sample=True, custom_generate=lookup_decode.generate,
-                              k=2, adaptive=False, stats=stats, generator=generator, proposer=proposer, **gen_kwargs)
+        hook = lookup_decode.lookup_decoding(k=2, adaptive=False, stats=stats, generator=generator, proposer=proposer,
+                                             rules=rules)
+        return model.generate(PROMPT, max_new_tokens=L, do_sample=True, custom_generate=hook, **gen_kwargs)
     return run
 
 
@@ -70,7 +71,7 @@ def test_draft_model_sampling_matches_the_exact_target(target):
     assert 0 < stats.accepted < stats.drafted
 
 
-def test_draft_model_negative_control(target, monkeypatch):
+def test_draft_model_negative_control(target):
     def no_residual(draft, probs, draft_probs, generator=None):
         x = int(draft[0])
         u = torch.rand((), generator=generator, dtype=torch.float64)
@@ -80,8 +81,8 @@ def test_draft_model_negative_control(target, monkeypatch):
 
     gen_kwargs = CONFIGS["temperature_0.6_top_k_3"]
     joint = exact_joint(target, **gen_kwargs)
-    monkeypatch.setattr(decode_module, "accept_with_draft_probs", no_residual)
-    counts = sample_counts(target, draft_sampler(tiny_llama(V, seed=9), DecodeStats(), seed=1), **gen_kwargs)
+    sampler = draft_sampler(tiny_llama(V, seed=9), DecodeStats(), seed=1, rules=Rules(draft_probs=no_residual))
+    counts = sample_counts(target, sampler, **gen_kwargs)
     assert chi_square_pvalue(counts, joint) < ALPHA
 
 

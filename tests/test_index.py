@@ -33,7 +33,7 @@ def trace_of(index_tokens_chunks, **kw):
 ])
 def test_worked_examples(tokens, max_tokens, expected):
     index = SuffixIndex(tokens, min_match=1)
-    assert index.propose(max_tokens).tolist() == expected
+    assert index.propose(max_tokens).tokens.tolist() == expected
     assert reference.draft(tokens, max_tokens) == expected
 
 
@@ -50,27 +50,27 @@ def test_worked_examples(tokens, max_tokens, expected):
 ])
 def test_resync_after_a_miss(tokens, window, expected):
     index = SuffixIndex(tokens, min_match=1, resync_window=window)
-    assert index.propose(2).tolist() == expected
+    assert index.propose(2).tokens.tolist() == expected
     assert reference.draft(tokens, 2, window=window) == expected
 
 
 def test_min_match_gates_drafts():
     tokens = [1, 2, 3, 9, 3]                       # only a 1-token match
-    assert SuffixIndex(tokens, min_match=1).propose(4).tolist() == [9, 3]
-    assert SuffixIndex(tokens, min_match=2).propose(4).tolist() == []
+    assert SuffixIndex(tokens, min_match=1).propose(4).tokens.tolist() == [9, 3]
+    assert SuffixIndex(tokens, min_match=2).propose(4).tokens.tolist() == []
 
 
 def test_max_match_caps_reported_length_only():
     tokens = list(range(10)) * 2
     index = SuffixIndex(tokens, min_match=2, max_match=4)
     assert index.match_len == 4
-    assert index.propose(3).tolist() == reference.draft(tokens, 3)
+    assert index.propose(3).tokens.tolist() == reference.draft(tokens, 3)
 
 
 def test_draft_stops_before_eos():
     tokens = [1, 2, 3, 0, 4, 5, 1, 2]               # 0 is EOS, right after the matched "1 2 3"
-    assert SuffixIndex(tokens, min_match=2, eos_token_ids=[0]).propose(5).tolist() == [3]
-    assert SuffixIndex(tokens, min_match=2, eos_token_ids=[0, 3]).propose(5).tolist() == []
+    assert SuffixIndex(tokens, min_match=2, eos_token_ids=[0]).propose(5).tokens.tolist() == [3]
+    assert SuffixIndex(tokens, min_match=2, eos_token_ids=[0, 3]).propose(5).tokens.tolist() == []
 
 
 def test_alignment_is_kept_while_the_source_matches():
@@ -78,7 +78,7 @@ def test_alignment_is_kept_while_the_source_matches():
     # with that occurrence even though "3 4" is as long a match elsewhere.
     tokens = [1, 2, 3, 4, 5, 6, 3, 4, 7, 1, 2, 3, 4]
     assert trace_of([tokens])[-1] == reference.match_trace(tokens)[-1] == (4, 3)
-    assert SuffixIndex(tokens, min_match=1).propose(2).tolist() == [5, 6]
+    assert SuffixIndex(tokens, min_match=1).propose(2).tokens.tolist() == [5, 6]
 
 
 def test_accepts_numpy_and_torch_and_rejects_bad_ids():
@@ -133,9 +133,9 @@ def test_resync_is_exercised_and_bounded():
        min_match=st.integers(1, 4), eos=st.sets(st.integers(0, 3), max_size=2))
 def test_propose_equals_reference(tokens, max_tokens, min_match, eos):
     index = SuffixIndex(tokens, min_match=min_match, eos_token_ids=sorted(eos))
-    assert index.propose(max_tokens).tolist() == reference.draft(tokens, max_tokens, min_match, eos)
+    assert index.propose(max_tokens).tokens.tolist() == reference.draft(tokens, max_tokens, min_match, eos)
     index = SuffixIndex(tokens, min_match=min_match, eos_token_ids=sorted(eos), resync_window=0)
-    assert index.propose(max_tokens).tolist() == reference.draft(tokens, max_tokens, min_match, eos, window=0)
+    assert index.propose(max_tokens).tokens.tolist() == reference.draft(tokens, max_tokens, min_match, eos, window=0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -149,7 +149,7 @@ def test_incremental_equals_built_at_once(tokens, cuts):
         pieces.extend(chunk)
     assert pieces.tokens.tolist() == tokens
     assert (pieces.match_len, pieces.match_end) == (at_once.match_len, at_once.match_end)
-    assert pieces.propose(16).tolist() == at_once.propose(16).tolist()
+    assert pieces.propose(16).tokens.tolist() == at_once.propose(16).tokens.tolist()
 
 
 def test_growth_past_initial_capacity_matches_reference():
@@ -171,4 +171,4 @@ def test_growth_past_initial_capacity_matches_reference():
 
 def test_large_vocabulary_ids():
     tokens = [150_000, 2**31 - 1, 7, 150_000, 2**31 - 1]
-    assert SuffixIndex(tokens, min_match=2).propose(3).tolist() == [7, 150_000, 2**31 - 1]
+    assert SuffixIndex(tokens, min_match=2).propose(3).tokens.tolist() == [7, 150_000, 2**31 - 1]

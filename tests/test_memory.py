@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lookup_decode.draft import Draft
 from lookup_decode import CorpusFileError, Memory, References, SuffixIndex
 from lookup_decode.corpus import SEPARATOR
 from lookup_decode.memory import LOW_WATER
@@ -63,7 +64,7 @@ def test_cursor_equals_brute_force(docs, query, chunk):
             got.append((cursor.match_len, int(cursor._state[2])))
     assert got == expected
     mlen, mend = expected[-1]
-    draft = cursor.propose(5).tolist()
+    draft = cursor.propose(5).tokens.tolist()
     want = []
     for tok in joined[mend + 1: mend + 6] if mlen else []:
         if tok in (3, SEPARATOR):                # drafts stop before EOS and at the end of a document
@@ -76,23 +77,23 @@ def test_cursor_worked_examples():
     refs = refs_of([[1, 2, 3, 4, 5, 6], [7, 8, 1, 2, 9]])
     c = refs.cursor()
     c.extend([0, 1, 2])
-    assert (c.propose(5).tolist(), c.match_len) == ([3, 4, 5, 6], 2)    # earliest occurrence of "1 2"
+    assert (c.propose(5).tokens.tolist(), c.match_len) == ([3, 4, 5, 6], 2)    # earliest occurrence of "1 2"
     c.extend([3, 4, 5, 6])
-    assert (c.propose(5).tolist(), c.match_len) == ([], 6)              # end of document: no draft across it
+    assert (c.propose(5).tokens.tolist(), c.match_len) == ([], 6)              # end of document: no draft across it
     c.extend([8, 1, 2])
-    assert (c.propose(5).tolist(), c.match_len) == ([9], 3)             # "8 1 2" only in the second document
+    assert (c.propose(5).tokens.tolist(), c.match_len) == ([9], 3)             # "8 1 2" only in the second document
 
 
 def test_cursor_follows_changes_of_the_corpus():
     refs = refs_of([[1, 2, 3, 4]])
     c = refs.cursor()
     c.extend([9, 1, 2])
-    assert c.propose(4).tolist() == [3, 4]
+    assert c.propose(4).tokens.tolist() == [3, 4]
     refs.register("new", tokens=[5, 1, 2, 7, 7])
     refs.remove("d0")                            # rebuild: the cursor re-walks its request's last tokens
-    assert c.propose(4).tolist() == [7, 7]
+    assert c.propose(4).tokens.tolist() == [7, 7]
     refs.remove("new")
-    assert c.propose(4).tolist() == [] and len(refs) == 0
+    assert c.propose(4).tokens.tolist() == [] and len(refs) == 0
 
 
 class Fixed:
@@ -105,7 +106,7 @@ class Fixed:
         pass
 
     def propose(self, max_tokens):
-        return self.draft[:max_tokens]
+        return Draft(self.draft[:max_tokens], self.match_len)
 
 
 @pytest.mark.parametrize("lens, drafts, winner", [
@@ -121,11 +122,12 @@ def test_choice_rule(lens, drafts, winner):
     p = SourcesProposer(Fixed(drafts[0], lens[0]), [], min_match=1)
     p.names += ["memory", "references"]
     p.sources += [Fixed(drafts[1], lens[1]), Fixed(drafts[2], lens[2])]
-    got = p.propose(4).tolist()
+    draft = p.propose(4)
+    got = draft.tokens.tolist()
     if winner is None:
         assert got == [] and not p.drafts_from
     else:
-        assert got == drafts[winner] and p.match_len == lens[winner]
+        assert got == drafts[winner] and draft.match_len == lens[winner]
         assert p.drafts_from == {p.names[winner]: 1}
 
 
@@ -135,7 +137,8 @@ def test_composite_drafts_from_memory_and_credits_the_entry():
     mem.add([20, 21, 22])
     p = SourcesProposer(SuffixIndex(), check_sources(mem, None), min_match=1)
     p.extend([5, 6, 10, 11])
-    assert p.propose(3).tolist() == [12, 13, 14] and p.match_len == 2
+    draft = p.propose(3)
+    assert draft.tokens.tolist() == [12, 13, 14] and draft.match_len == 2
     p.extend([12, 13, 99])                       # two drafted tokens were right
     assert p.accepted_from == {"memory": 2}
     entries = {tuple(e.tokens.tolist()): e for e in mem.entries()}
@@ -153,7 +156,7 @@ def test_eviction_keeps_the_bound_and_drops_least_recently_useful():
         assert mem.n_tokens <= mem.max_tokens
         c = mem.cursor()                         # every request accepts a draft from `useful`
         c.extend(useful[:3])
-        assert c.propose(4).tolist() == useful[3:7].tolist()
+        assert c.propose(4).tokens.tolist() == useful[3:7].tolist()
         c.credit(4)
     assert mem.evicted > 0
     assert any(np.array_equal(e.tokens, useful) for e in mem.entries())
@@ -168,7 +171,7 @@ def test_eviction_order_is_least_recently_useful_first():
         mem.add(x)
     cur = mem.cursor()
     cur.extend(a[:3])
-    assert cur.propose(2).tolist() == a[3:5].tolist()
+    assert cur.propose(2).tokens.tolist() == a[3:5].tolist()
     cur.credit(2)                                # a draft from `a` was accepted: a is now the most recently useful
     mem.add(d)                                   # 40 > 30: evict b, then c, until d fits in 3/4 of the bound
     assert [e.tokens[0] for e in mem.entries()] == [a[0], d[0]]
@@ -255,7 +258,7 @@ def test_save_load_round_trip(tmp_path):
     c1, c2 = mem.cursor(), back.cursor()
     c1.extend(query)
     c2.extend(query)
-    assert c1.propose(10).tolist() == c2.propose(10).tolist() == mem.entries()[7].tokens[5:15].tolist()
+    assert c1.propose(10).tokens.tolist() == c2.propose(10).tokens.tolist() == mem.entries()[7].tokens[5:15].tolist()
 
     refs = refs_of([[1, 2, 3], [4, 5]])
     refs.save(tmp_path / "refs")
@@ -320,7 +323,7 @@ def test_register_files(tmp_path):
     assert refs.names == [str(p) for p in paths]
     c = refs.cursor()
     c.extend([ord(ch) for ch in "def f"])
-    assert bytes(c.propose(4).tolist()).decode() == "():\n"
+    assert bytes(c.propose(4).tokens.tolist()).decode() == "():\n"
 
 
 def test_million_token_reference_indexes_in_bounded_memory():
@@ -339,7 +342,7 @@ def test_million_token_reference_indexes_in_bounded_memory():
     assert per_token < 256                       # bounded: O(n) buffers, at most doubling slack
     c = refs.cursor()
     c.extend([7, 0, 1, 2, 3])
-    assert c.propose(5).tolist() == [4, 5, 6, 7, 8]
+    assert c.propose(5).tokens.tolist() == [4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize("make, error, match", [

@@ -5,7 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookup_decode.policy import CostCurve, DraftPolicy, _bucket
+from lookup_decode import Draft
+from lookup_decode.cost import CostCurve
+from lookup_decode.policy import DraftPolicy, bucket
 
 
 def brute_expected_emitted(a1: float, a2: float, d: int) -> float:
@@ -13,9 +15,14 @@ def brute_expected_emitted(a1: float, a2: float, d: int) -> float:
     return 1.0 + sum(a1 * a2 ** (j - 1) for j in range(1, d + 1))
 
 
+def draft_of(available: int, match_len: int) -> list[Draft]:
+    """One row's proposal of `available` tokens backed by a match of match_len."""
+    return [Draft(np.zeros(available, np.int32), match_len)]
+
+
 def policy_with(k: int, cost: CostCurve, a1: float, a2: float, match_len: int) -> DraftPolicy:
     policy = DraftPolicy(k, cost)
-    b = _bucket(match_len)
+    b = bucket(match_len)
     policy.first[b] = (a1 * 100.0, 100.0)
     policy.later[b] = (a2 * 100.0, 100.0)
     return policy
@@ -30,7 +37,7 @@ def test_never_picks_a_draft_whose_gain_is_below_its_cost(seconds, a1, a2, match
     sizes = [1 + 3 * i for i in range(len(seconds))]
     cost = CostCurve(sizes, seconds, max_n=k + 1)
     policy = policy_with(k, cost, a1, a2, match_len)
-    d = policy.choose(available, match_len)
+    d = policy.choose(draft_of(available, match_len)) - 1
     max_d = min(k, available)
     assert 0 <= d <= max_d
     rate = [brute_expected_emitted(a1, a2, j) / cost(j + 1) for j in range(max_d + 1)]
@@ -49,7 +56,7 @@ def test_choices_on_a_non_monotone_curve(a1, a2, expect):
     sizes = [1, 2, 4, 8, 9, 16, 33]
     seconds = [1.0, 1.1, 1.3, 1.8, 1.4, 2.6, 5.0]
     cost = CostCurve(sizes, seconds, max_n=33)
-    d = policy_with(32, cost, a1, a2, match_len=8).choose(32, 8)
+    d = policy_with(32, cost, a1, a2, match_len=8).choose(draft_of(32, 8)) - 1
     rates = [brute_expected_emitted(a1, a2, j) / cost(j + 1) for j in range(33)]
     assert d == int(np.argmax(rates))
     if expect == "long":
@@ -59,8 +66,8 @@ def test_choices_on_a_non_monotone_curve(a1, a2, expect):
 
 
 def test_without_cost_model_verifies_everything_available():
-    assert DraftPolicy(16, None).choose(40, 3) == 16
-    assert DraftPolicy(16, None).choose(5, 3) == 5
+    assert DraftPolicy(16, None).choose(draft_of(40, 3)) == 16 + 1
+    assert DraftPolicy(16, None).choose(draft_of(5, 3)) == 5 + 1
 
 
 def test_expected_emitted_matches_brute_force():

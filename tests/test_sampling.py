@@ -16,9 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lookup_decode
-import lookup_decode.decode as decode_module
 from lookup_decode import DecodeStats
-from lookup_decode.verify import sample_rows
+from lookup_decode.verify import Rules, sample_rows
 from test_verify import ALPHA, chi_square_pvalue
 
 V, L, N = 6, 3, 2000
@@ -77,10 +76,13 @@ def sample_counts(model, sampler, **gen_kwargs):
     return counts
 
 
-def lookup_sampler(stats, generator):
+def lookup_sampler(stats, generator, rules=Rules()):
+    """rules: the acceptance rules (a negative control swaps in a wrong one)."""
+    hook = lookup_decode.lookup_decoding(k=4, min_match=1, adaptive=False, stats=stats, generator=generator,
+                                         rules=rules)
+
     def run(model, **gen_kwargs):
-        return model.generate(PROMPT, max_new_tokens=L, do_sample=True, custom_generate=lookup_decode.generate,
-                              k=4, min_match=1, adaptive=False, stats=stats, generator=generator, **gen_kwargs)
+        return model.generate(PROMPT, max_new_tokens=L, do_sample=True, custom_generate=hook, **gen_kwargs)
     return run
 
 
@@ -137,11 +139,11 @@ def _reject_without_removing(draft, row_scores, uniforms):
 
 
 @pytest.mark.parametrize("wrong_rule", [_keep_every_draft, _reject_without_removing])
-def test_negative_controls_are_rejected(model, monkeypatch, wrong_rule):
+def test_negative_controls_are_rejected(model, wrong_rule):
     gen_kwargs = CONFIGS["temperature_1"]
     target = exact_joint(model, **gen_kwargs)
-    monkeypatch.setattr(decode_module, "accept_row_by_row", wrong_rule)
-    counts = sample_counts(model, lookup_sampler(DecodeStats(), torch.Generator().manual_seed(1)), **gen_kwargs)
+    sampler = lookup_sampler(DecodeStats(), torch.Generator().manual_seed(1), Rules(row_by_row=wrong_rule))
+    counts = sample_counts(model, sampler, **gen_kwargs)
     assert chi_square_pvalue(counts, target) < ALPHA
 
 

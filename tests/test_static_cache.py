@@ -1,7 +1,7 @@
 """Static cache (`cache_implementation="static"`) and a torch.compile'd forward.
 
 Rollback on a static cache steps the write position back (StaticLayer.crop), so rejected slots are
-masked and overwritten. With a compileable cache every verify forward has a size in shapes.BUCKETS,
+masked and overwritten. With a compileable cache every verify forward has a size in policy.BUCKETS,
 so a compiled forward compiles once per bucket instead of once per draft length.
 """
 
@@ -16,7 +16,8 @@ import lookup_decode
 import tiny_models
 from conftest import repetitive_prompt
 from lookup_decode import DecodeStats, UnsupportedCacheError
-from lookup_decode.shapes import BUCKETS, bucketed_draft
+from lookup_decode import Draft
+from lookup_decode.policy import BUCKETS, DraftPolicy
 from test_model_coverage import assert_same_greedy
 
 STATIC = dict(do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
@@ -127,6 +128,6 @@ def test_static_sliding_window_refused(name):
     (list(range(40)), 32, 32, list(range(31))),  # k=32: the largest bucket is 32 (31 drafts)
 ])
 def test_bucketed_draft(full, n, limit, want):
-    got = bucketed_draft(np.array(full, dtype=np.int32), n, limit, filler=0)
+    got = DraftPolicy(32).fit(Draft(np.array(full, dtype=np.int32)), n, limit, "buckets").tokens
     assert got.tolist() == want
     assert len(got) + 1 in BUCKETS

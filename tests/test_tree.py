@@ -5,10 +5,11 @@ import pytest
 import torch
 
 import lookup_decode
-import lookup_decode.decode as decode_module
 from conftest import VOCAB, make_tiny
 from lookup_decode import DecodeStats
-from lookup_decode.tree import TreeProposer, accept_tree, build_tree, tree_mask
+from lookup_decode.forward import tree_mask
+from lookup_decode.tree import TreeProposer, build_tree
+from lookup_decode.verify import Rules, accept_tree
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -18,6 +19,7 @@ def test_build_tree_merges_shared_prefixes():
     assert tree.tokens.tolist() == [5, 6, 7, 8, 9]
     assert tree.parents.tolist() == [-1, 0, 1, 0, -1]
     assert tree.depth.tolist() == [1, 2, 3, 2, 1]
+    assert tree.chain.tolist() == [5, 6, 7]
 
 
 def test_tree_mask_sees_ancestors_only():
@@ -39,7 +41,7 @@ def test_accept_tree_descends_on_matching_tokens():
         out = torch.zeros(1, VOCAB)
         out[0, best.get(r, 0)] = 1.0
         return out
-    emitted, path, used = accept_tree(tree, rows, None)
+    emitted, path, used = accept_tree(tree.tokens, tree.parents, rows, None)
     assert emitted.tolist() == [9, 4, 1] and path == [3, 4] and len(used) == 3
 
 
@@ -53,25 +55,9 @@ def branching_prompt(seed: int) -> torch.Tensor:
     return torch.tensor([parts + key])
 
 
-class Spy:
-    """Wraps decode.tree_step: counts trees verified and steps that kept a branch other than the first."""
-
-    def __init__(self, inner):
-        self.inner, self.trees, self.other_branch = inner, 0, 0
-
-    def __call__(self, forward, ids, cur, tree, *args):
-        emitted, scores, logits = self.inner(forward, ids, cur, tree, *args)
-        self.trees += 1
-        if emitted.numel() > 1 and int(emitted[0]) != int(tree.tokens[0]):
-            self.other_branch += 1
-        return emitted, scores, logits
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_tree_greedy_equals_plain_generate(arch, monkeypatch):
+def test_tree_greedy_equals_plain_generate(arch):
     model = make_tiny(arch)
-    spy = Spy(decode_module.tree_step)
-    monkeypatch.setattr(decode_module, "tree_step", spy)
     stats = DecodeStats()
     for seed in range(6):
         prompt = branching_prompt(seed)
@@ -80,8 +66,8 @@ def test_tree_greedy_equals_plain_generate(arch, monkeypatch):
                              custom_generate=lookup_decode.generate, stats=stats, adaptive=False, k=6,
                              proposer=TreeProposer(width=4, min_match=1))
         assert got.tolist() == ref.tolist(), seed
-    assert stats.accepted > 0 and spy.trees > 0
-    assert spy.other_branch > 0, "guard: a branch other than the chain's was accepted"
+    assert stats.accepted > 0 and stats.tree_steps > 0
+    assert stats.off_chain > 0, "guard: a branch other than the chain's was accepted"
 
 
 def test_tree_width_one_is_the_chain(tiny_llama):
@@ -102,34 +88,32 @@ def test_tree_proposer_rejects_bad_width():
 from test_sampling import ALPHA, CONFIGS, PROMPT, chi_square_pvalue, exact_joint, model, sample_counts  # noqa: E402,F401
 
 
-def tree_sampler(stats, generator, spy):
+def tree_sampler(stats, generator, rules=Rules()):
     def run(model, **gen_kwargs):
-        return model.generate(PROMPT, max_new_tokens=3, do_sample=True, custom_generate=lookup_decode.generate,
-                              k=4, adaptive=False, stats=stats, generator=generator,
-                              proposer=TreeProposer(width=3, min_match=1), **gen_kwargs)
+        hook = lookup_decode.lookup_decoding(k=4, adaptive=False, stats=stats, generator=generator, rules=rules,
+                                             proposer=TreeProposer(width=3, min_match=1))
+        return model.generate(PROMPT, max_new_tokens=3, do_sample=True, custom_generate=hook, **gen_kwargs)
     return run
 
 
-def test_tree_sampling_matches_the_joint_distribution(model, monkeypatch):  # noqa: F811
+def test_tree_sampling_matches_the_joint_distribution(model):  # noqa: F811
     # One configuration keeps the suite fast; the tree path runs the logits processors per visited
     # node exactly as the chain's row-by-row path does (top-k/top-p are covered there).
     gen_kwargs = CONFIGS["temperature_1"]
     target = exact_joint(model, **gen_kwargs)
-    spy = Spy(decode_module.tree_step)
-    monkeypatch.setattr(decode_module, "tree_step", spy)
     stats = DecodeStats()
-    counts = sample_counts(model, tree_sampler(stats, torch.Generator().manual_seed(1), spy), **gen_kwargs)
+    counts = sample_counts(model, tree_sampler(stats, torch.Generator().manual_seed(1)), **gen_kwargs)
     assert chi_square_pvalue(counts, target) > ALPHA
-    assert spy.trees > 0 and stats.accepted > 0, "guard: trees were verified and drafts kept"
-    assert spy.other_branch > 0, "guard: a branch other than the chain's was kept"
+    assert stats.tree_steps > 0 and stats.accepted > 0, "guard: trees were verified and drafts kept"
+    assert stats.off_chain > 0, "guard: a branch other than the chain's was kept"
 
 
-def _descend_first_branch(tree, row_scores, uniforms):
+def _descend_first_branch(tokens, parents, row_scores, uniforms):
     """Wrong rule: keeps the first branch whole, then samples one token (ignores the target on the way)."""
     path, node = [], -1
     rows = [row_scores(0, [])]
     while True:
-        kids = [j for j in range(tree.size) if int(tree.parents[j]) == node]
+        kids = [j for j in range(len(tokens)) if int(parents[j]) == node]
         if not kids:
             break
         node = kids[0]
@@ -137,25 +121,24 @@ def _descend_first_branch(tree, row_scores, uniforms):
         rows.append(row_scores(node + 1, path))
     from lookup_decode.verify import sample_rows
     x = sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[len(path): len(path) + 1])
-    return torch.cat([tree.tokens[path], x.long()]), path, rows
+    return torch.cat([torch.as_tensor(tokens[path], dtype=torch.long), x.long()]), path, rows
 
 
-def test_tree_sampling_negative_control_is_rejected(model, monkeypatch):  # noqa: F811
-    import lookup_decode.tree as tree_module
+def test_tree_sampling_negative_control_is_rejected(model):  # noqa: F811
     gen_kwargs = CONFIGS["temperature_1"]
     target = exact_joint(model, **gen_kwargs)
-    monkeypatch.setattr(tree_module, "accept_tree", _descend_first_branch)
-    spy = Spy(decode_module.tree_step)
-    monkeypatch.setattr(decode_module, "tree_step", spy)
-    counts = sample_counts(model, tree_sampler(DecodeStats(), torch.Generator().manual_seed(1), spy), **gen_kwargs)
-    assert spy.trees > 0
+    stats = DecodeStats()
+    sampler = tree_sampler(stats, torch.Generator().manual_seed(1), Rules(tree=_descend_first_branch))
+    counts = sample_counts(model, sampler, **gen_kwargs)
+    assert stats.tree_steps > 0
     assert chi_square_pvalue(counts, target) < ALPHA
 
 
 def test_build_tree_budget_cuts_later_branches_first():
-    tree = build_tree([[5, 6, 7], [5, 8, 9], [4, 4]], budget=4)
+    tree = build_tree([[5, 6, 7], [5, 8, 9], [4, 4]]).cut(3, tree_nodes=4)
     assert tree.tokens.tolist() == [5, 6, 7, 8]      # the shared 5 is free; 9 and the third branch are cut
-    assert build_tree([[1, 2]], budget=0).size == 0
+    assert tree.parents.tolist() == [-1, 0, 1, 0]
+    assert build_tree([[1, 2]]).cut(2, tree_nodes=0).parents is None   # a tree cut to its chain is a chain
 
 
 def test_tree_with_cost_model_equals_plain_generate(tiny_llama):

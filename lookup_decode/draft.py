@@ -1,0 +1,109 @@
+"""The drafter contract: one `Draft` value that every draft source returns, and the `Drafter` protocol.
+
+A drafter is fed every committed token (`extend`) and asked for a guess of the next ones
+(`propose(max_tokens) -> Draft`). The draft carries everything a decoding step needs to choose a
+length and to verify it: the tokens, the match length that backs them, the distribution they were
+sampled from (draft models) and, for trees, a parent per node (the way ArcticInference's
+SuffixDecodingDraft carries chains and trees in one type). The step never asks a drafter anything
+else, so any object with these two methods drafts: the suffix index, the multi-source proposer,
+the tree proposer, the draft-model proposer, a user's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Draft:
+    """Proposed tokens and what backs them. Immutable; `cut` makes a shorter one.
+
+    Example: Draft(np.array([4, 1, 2], np.int32), match_len=3) is a chain of three tokens copied after
+    a 3-token match. A tree of branches [5, 6] and [9]: tokens [5, 6, 9], parents [-1, 0, -1].
+    """
+    tokens: np.ndarray                  # int32 [n]: a chain, or a tree's nodes (the first branch first)
+    match_len: int = 0                  # length of the matched suffix behind the tokens (0: none)
+    probs: "object | None" = None       # torch float [n, V]: q each token was sampled from (None: point masses)
+    parents: np.ndarray | None = None   # int32 [n]: parent node, -1 = the last committed token (None: a chain)
+
+    def __post_init__(self):
+        tokens = np.asarray(self.tokens)
+        if tokens.ndim != 1 or not (tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
+            raise TypeError(f"Draft.tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        object.__setattr__(self, "tokens", tokens.astype(np.int32, copy=False))
+        if self.parents is not None:
+            parents = np.asarray(self.parents, dtype=np.int32)
+            if parents.shape != tokens.shape or np.any(parents >= np.arange(len(parents))) or np.any(parents < -1):
+                raise ValueError("Draft.parents must give each node an earlier node or -1")
+            object.__setattr__(self, "parents", parents)
+        if self.probs is not None and tuple(self.probs.shape[:1]) != (len(tokens),):
+            raise ValueError(f"Draft.probs must be [n, V] with n = {len(tokens)} tokens, got {tuple(self.probs.shape)}")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def chain(self) -> np.ndarray:
+        """The first branch, int32 [c] (the whole draft for a chain): what a chain verification would send."""
+        if self.parents is None:
+            return self.tokens
+        breaks = np.flatnonzero(self.parents != np.arange(-1, len(self.parents) - 1))
+        return self.tokens[: breaks[0] if len(breaks) else len(self.tokens)]
+
+    @property
+    def depth(self) -> np.ndarray:
+        """int64 [n]: each node's depth, 1 for the children of the last committed token (1..n for a chain)."""
+        if self.parents is None:
+            return np.arange(1, len(self.tokens) + 1)
+        depth = np.zeros(len(self.tokens), np.int64)
+        for j, p in enumerate(self.parents):
+            depth[j] = 1 if p < 0 else depth[p] + 1
+        return depth
+
+    def cut(self, n: int, tree_nodes: int | None = 0) -> "Draft":
+        """The first n tokens of the chain; with tree_nodes != 0, a tree keeps its nodes of depth <= n,
+        at most tree_nodes of them (None: no limit), in order — the chain first, so it is never cut
+        shorter. A tree that keeps no node off the chain becomes a chain."""
+        chain = self.chain[:n]
+        if self.parents is None or tree_nodes == 0 or n == 0:
+            return Draft(chain, self.match_len, None if self.probs is None else self.probs[:n])
+        keep = np.flatnonzero(self.depth <= n)[:tree_nodes]
+        if len(keep) <= len(chain):
+            return Draft(chain, self.match_len)
+        new_index = np.full(len(self.tokens), -1, np.int64)
+        new_index[keep] = np.arange(len(keep))
+        parents = np.where(self.parents[keep] < 0, -1, new_index[np.maximum(self.parents[keep], 0)])
+        return Draft(self.tokens[keep], self.match_len, parents=parents.astype(np.int32))
+
+
+EMPTY = Draft(np.zeros(0, np.int32))
+
+
+def kept_prefix(draft, emitted) -> int:
+    """How many leading tokens of `draft` (int [d]) equal those of `emitted` (int [e]): the drafts a step kept."""
+    n = min(len(draft), len(emitted))
+    same = np.asarray(draft[:n]) == np.asarray(emitted[:n])
+    return n if same.all() else int(np.argmin(same))
+
+
+def checked(draft, drafter, max_tokens: int) -> Draft:
+    """`draft` if it is a Draft no deeper than max_tokens, else a TypeError/ValueError naming the drafter."""
+    if not isinstance(draft, Draft):
+        raise TypeError(f"{type(drafter).__name__}.propose() must return a lookup_decode.Draft, "
+                        f"got {type(draft).__name__}")
+    if len(draft.chain) > max_tokens or draft.parents is not None and int(draft.depth.max()) > max_tokens:
+        raise ValueError(f"{type(drafter).__name__}.propose({max_tokens}) returned a draft deeper than {max_tokens}")
+    return draft
+
+
+class Drafter(Protocol):
+    """What the decoding step calls: `extend` with every committed token, `propose` before each step."""
+
+    def extend(self, tokens) -> None:
+        """Append committed token ids (int [m]; list, numpy or torch)."""
+
+    def propose(self, max_tokens: int) -> Draft:
+        """A guess of the next tokens, at most max_tokens deep (a chain's length, a tree's depth)."""

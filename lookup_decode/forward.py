@@ -1,0 +1,243 @@
+"""The model side of a decoding step: one verify forward over [last token, draft] per row, and its rollback.
+
+The decode loop (`decode.py`) is the same for one sequence, a batch and the offline replay; only the
+forward differs, and it lives here. Each forward offers `prefill(rows)`, `verify(rows, drafts)`,
+`rollback(kept)`, `keep_rows(keep)` and `calibrate(rows, costs, k)`; `shapes` says which drafts it verifies
+("tree", "chain", or "buckets" for compiled forwards), `learns_cost` that its time is a real forward's.
+
+* `SequenceForward`: one row, any cache `cache.py` can roll back (sliding windows, static caches with
+  bucketed sizes, encoder-decoder decoders); trees verified in one forward with a tree attention mask
+  (a node sees the context, the last token and its own ancestors, at position last + depth, so its
+  logits equal those of a chain holding just its branch).
+* `BatchForward`: left-padded rows in one padded forward. Rows keep different numbers of draft tokens
+  and none is cut back to the batch minimum: columns past the longest kept prefix are cropped, and a
+  row that kept fewer leaves *holes*, columns masked out of its attention for good. Position ids count
+  a row's own valid columns, so every row attends to exactly the keys (at exactly the positions) it
+  would have alone. Holes are compacted once they exceed a share of the cache; finished rows leave.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from lookup_decode.cache import cache_argument, compact, crop, keep_tree_path, start_rollback
+from lookup_decode.cost import timed
+from lookup_decode.draft import EMPTY
+from lookup_decode.policy import BUCKETS
+from lookup_decode.verify import Rules, verify_row, verify_tree
+
+
+class _Model:
+    """model(ids, cache) -> float32 logits of the last `n_logits` positions of every row, [B, n_logits, V]."""
+
+    learns_cost = True              # the step's timing of verify() is a real forward's cost
+
+    def __init__(self, model, cache, logits_processor, *, do_sample: bool, generator=None, rules: Rules = Rules()):
+        self.model, self.cache = model, cache
+        self.cache_arg = cache_argument(model)
+        self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.processors, self.do_sample, self.generator, self.rules = logits_processor, do_sample, generator, rules
+
+    def logits(self, n_logits: int, **inputs) -> torch.Tensor:
+        kwargs = {self.cache_arg: self.cache, "use_cache": True, **inputs}
+        if self.keep:
+            kwargs["logits_to_keep"] = n_logits
+        return self.model(**kwargs).logits[:, -n_logits:].to(torch.float32)
+
+    def accept(self, rows, i: int, b: int, draft, logits):
+        """Verification of row b (the i-th active row): (emitted long [m + 1], score rows, raw logits rows)."""
+        cur = rows.cur[b]
+        u = None if rows.uniforms is None else rows.uniforms[b, cur - rows.prompt_len:]
+        emitted, scores = verify_row(draft, logits, self.processors, rows.ids, b, cur, u, self.generator, self.rules)
+        return emitted, scores, logits
+
+    def keep_rows(self, keep: list[int]) -> None:
+        pass
+
+
+def tree_mask(draft, past: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive attention mask float [1, 1, N + 1, past + N + 1] for the forward over [root, nodes].
+
+    Row 0 (the root) sees the past and itself; row j + 1 (node j) sees the past, the root, its
+    ancestors and itself. 0 = attend, the dtype's minimum = masked.
+    """
+    n = len(draft)
+    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allowed[:, 0] = True
+    for j in range(n):
+        a = j
+        while a >= 0:
+            allowed[j + 1, a + 1] = True
+            a = int(draft.parents[a])
+    mask = torch.zeros(n + 1, past + n + 1, dtype=dtype)
+    mask[:, past:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+    return mask.view(1, 1, n + 1, past + n + 1).to(device)
+
+
+class SequenceForward(_Model):
+    """One sequence. input_name/extra: an encoder-decoder's decoder takes decoder_input_ids and the
+    encoder output (`encdec.py`); it verifies chains only, as do compiled (static-cache) forwards."""
+
+    def __init__(self, model, cache, logits_processor, *, do_sample: bool, generator=None, rules: Rules = Rules(),
+                 input_name: str = "input_ids", extra: dict | None = None):
+        super().__init__(model, cache, logits_processor, do_sample=do_sample, generator=generator, rules=rules)
+        self.input_name, self.extra = input_name, extra or {}
+        # A static cache is there to be compiled: keep forward sizes to a few buckets.
+        self.bucketed = bool(getattr(cache, "is_compileable", False))
+        self.shapes = "buckets" if self.bucketed else "tree" if input_name == "input_ids" else "chain"
+        self._undo = 0                  # tokens to crop at rollback, or the accepted path of a tree
+        self._tree = None
+
+    def __call__(self, ids: torch.Tensor, n_logits: int, **extra) -> torch.Tensor:
+        return self.logits(n_logits, **{self.input_name: ids}, **self.extra, **extra)[0]
+
+    def prefill(self, rows):
+        logits = self(rows.ids[:, : rows.cur[0]], 1)
+        start_rollback(self.cache, self.model)      # from here on every forward can be rolled back
+        return [self.accept(rows, 0, 0, EMPTY, logits)]
+
+    def calibrate(self, rows, costs, k: int):
+        """The model's live cost curve (measured now, after the prompt, if this model has none yet)."""
+        last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
+
+        def seconds_of(n):
+            elapsed = timed(last.device, lambda: self(last.expand(1, n), 1))
+            crop(self.cache, n)
+            return elapsed
+        sizes = None
+        if self.bucketed:  # time bucket sizes only, and only those that fit the cache
+            room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
+            sizes = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
+        return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes)
+
+    def verify(self, rows, drafts):
+        draft, cur, ids = drafts[0], rows.cur[0], rows.ids
+        n = len(draft)
+        if draft.parents is None:
+            ids[0, cur: cur + n] = torch.from_numpy(draft.tokens).to(ids.device)
+            verified = self.accept(rows, 0, 0, draft, self(ids[:, cur - 1: cur + n], n + 1))
+            self._undo, self._tree = n - (verified[0].numel() - 1), None
+            return [verified]
+        # A tree: one forward over [last token, nodes], each node at position last + depth.
+        nodes = torch.from_numpy(draft.tokens).to(device=ids.device, dtype=torch.long)
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), torch.from_numpy(draft.depth)]).to(ids.device)
+        dtype = next(self.model.parameters()).dtype
+        logits = self(torch.cat([ids[0, cur - 1: cur], nodes]).view(1, -1), n + 1,
+                      position_ids=(cur - 1 + depth).view(1, -1), attention_mask=tree_mask(draft, cur - 1, dtype, ids.device))
+        u = None if rows.uniforms is None else rows.uniforms[0, cur - rows.prompt_len:]
+        emitted, path, scores, raw = verify_tree(draft, logits, self.processors, ids, cur, u, self.rules)
+        self._tree = (cur - 1, path, n)
+        return [(emitted, scores, raw)]
+
+    def rollback(self, kept: list[int]) -> None:
+        """The cache keeps the last token and the accepted drafts only."""
+        if self._tree is not None:
+            keep_tree_path(self.cache, *self._tree)
+        else:
+            crop(self.cache, self._undo)
+
+
+class BatchForward(_Model):
+    """Left-padded rows, one padded forward per step, ragged acceptance with masked hole columns."""
+
+    shapes = "chain"
+
+    def __init__(self, model, cache, logits_processor, attention_mask: torch.Tensor, *, do_sample: bool,
+                 generator=None, rules: Rules = Rules(), hole_share: float = 0.25, min_holes: int = 32):
+        super().__init__(model, cache, logits_processor, do_sample=do_sample, generator=generator, rules=rules)
+        self.mask = attention_mask.to(torch.bool)                  # [A, S]: valid cache columns of the active rows
+        self.positions = attention_mask.to(torch.long).sum(1)      # [A]: position id of each row's next token
+        self.hole_share, self.min_holes = hole_share, min_holes
+        self._width = 0
+
+    def __call__(self, ids, mask, positions, n_logits: int) -> torch.Tensor:
+        return self.logits(n_logits, input_ids=ids, attention_mask=mask.to(torch.long), position_ids=positions)
+
+    def prefill(self, rows):
+        P = rows.prompt_len
+        prefill_pos = (self.mask.to(torch.long).cumsum(-1) - 1).clamp_min(0)
+        logits = self(rows.ids[:, :P], self.mask, prefill_pos, 1)
+        return [self.accept(rows, i, b, EMPTY, logits[i]) for i, b in enumerate(rows.active)]
+
+    def calibrate(self, rows, costs, k: int):
+        """Relative cost of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
+        last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
+        rows = last.shape[0]
+
+        def seconds_of(w):
+            cols = torch.ones((rows, w), dtype=torch.bool, device=last.device)
+            pos = self.positions[:, None] + torch.arange(w, device=last.device)
+            elapsed = timed(last.device, lambda: self(last.expand(rows, w), torch.cat([self.mask, cols], 1), pos, w))
+            crop(self.cache, w)
+            return elapsed
+        return costs.batch(self.model, rows, k + 1, seconds_of)
+
+    def verify(self, rows, drafts):
+        device = rows.ids.device
+        w = 1 + max(len(d) for d in drafts)
+        x = torch.full((len(drafts), w), 0, dtype=torch.long, device=device)
+        for i, (b, d) in enumerate(zip(rows.active, drafts)):
+            tokens = torch.from_numpy(d.tokens).to(device)
+            c = rows.cur[b]
+            x[i, 0] = rows.ids[b, c - 1]
+            x[i, 1: 1 + len(d)] = tokens
+            rows.ids[b, c: c + len(d)] = tokens
+        n_draft = torch.tensor([len(d) for d in drafts], device=device)
+        cols = torch.arange(w, device=device)
+        new_valid = cols[None, :] <= n_draft[:, None]                      # [A, w]: padding columns are masked
+        logits = self(x, torch.cat([self.mask, new_valid], 1), self.positions[:, None] + cols, w)
+        self._width = w
+        return [self.accept(rows, i, b, d, logits[i, : len(d) + 1]) for i, (b, d) in enumerate(zip(rows.active, drafts))]
+
+    def rollback(self, kept: list[int]) -> None:
+        """Crop the columns no row kept; columns some rows kept and others not become holes."""
+        n_kept = torch.tensor(kept, device=self.mask.device)
+        width_kept = int(n_kept.max()) + 1
+        crop(self.cache, self._width - width_kept)
+        cols = torch.arange(width_kept, device=self.mask.device)
+        self.mask = torch.cat([self.mask, cols[None, :] <= n_kept[:, None]], 1)
+        self.positions = self.positions + n_kept + 1
+        holes = self.mask.shape[1] - int(self.mask.sum(1).max())
+        if holes > max(self.min_holes, self.hole_share * self.mask.shape[1]):
+            self.mask = compact(self.cache, self.mask)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Finished rows leave the batch: they stop costing compute."""
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.positions = self.mask[index], self.positions[index]
+
+
+def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
+                       available_bytes: int | None = None) -> None:
+    """Raise a clear ValueError when the KV cache of this batch cannot fit in free memory."""
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not layers or not heads:
+        return                                    # cannot estimate: let it run
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype_bytes = next(model.parameters()).element_size()
+    # Columns: every position, the widest verification, and the holes allowed before compaction.
+    columns = int((max_length + k + 1) * (1 + hole_share)) + min_holes
+    need = batch * columns * layers * 2 * kv_heads * head_dim * dtype_bytes
+    if available_bytes is None:
+        available_bytes = _free_memory(next(model.parameters()).device)
+    if available_bytes is not None and need > available_bytes:
+        raise ValueError(
+            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache for "
+            f"{type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller batch "
+            f"or fewer max_new_tokens")
+
+
+def _free_memory(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
