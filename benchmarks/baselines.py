@@ -1,8 +1,9 @@
 """Reference proposers for the offline replay, re-implemented from the rules their projects document.
 
-All share the replay protocol of `lookup_decode.bench.replay`: built on the prompt, then
-`propose(max_tokens) -> int32 [d]`, `extend(tokens)`, `match_len`. Plain numpy: each step rescans
-the context (O(n) per step), as the originals do.
+All are drafters (`lookup_decode.draft.Drafter`), so `lookup_decode.replay.replay` runs them through
+the decoding step: built on the prompt, then `extend(tokens)` and `propose(max_tokens) -> Draft`,
+with the length of the match behind the draft in `Draft.match_len` (0: none). Plain numpy: each
+step rescans the context (O(n) per step), as the originals do.
 
 * `TransformersPromptLookup` — transformers' PromptLookupCandidateGenerator (greedy, no logits
   processors): for n = max_matching_ngram_size .. 1, the *first* (left-most) window equal to the
@@ -28,11 +29,19 @@ the context (O(n) per step), as the originals do.
   the best occurrence of the current last token (so of any matching suffix).
 * `ContextCopyOracle` — the ceiling of drafting by copying one span of the context: it knows the
   true continuation and drafts the longest prefix of it that occurs anywhere in prompt + output so far.
+* `SubstitutionKey` — a variant of lookup_decode's own rule that lost (issue 8, item 3): after a
+  miss, when the index's own match is shorter than `min_len`, assume the corrected token *replaced*
+  the source token and keep copying from the source one past it. Full replay: fewer tokens per step
+  on 5 of 6 sets (clapnq: +0.01 at cap 10, +0.04 at cap 32) and a lower modelled speed-up on every
+  set (benchmarks/results/replay/, row `ablate_substitution_key`), so the package does not use it.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from lookup_decode.draft import EMPTY, Draft
+from lookup_decode.index import SuffixIndex
 
 
 class _Context:
@@ -43,7 +52,6 @@ class _Context:
         self._buf = np.zeros(max(1024, 2 * len(tokens)), dtype=np.int32)
         self._buf[: len(tokens)] = tokens
         self.n = len(tokens)
-        self.match_len = 0
 
     def extend(self, tokens) -> None:
         tokens = np.asarray(tokens, dtype=np.int32)
@@ -72,12 +80,11 @@ class TransformersPromptLookup(_Context):
         self.max_ngram = max_matching_ngram_size
         self.eos = np.asarray(list(eos_token_ids), dtype=np.int32)
 
-    def propose(self, max_tokens: int) -> np.ndarray:
+    def propose(self, max_tokens: int) -> Draft:
         t, L = self.tokens, self.n
-        self.match_len = 0
         size = min(self.num_output_tokens, max_tokens)
         if size <= 0:
-            return np.zeros(0, np.int32)
+            return EMPTY
         for n in range(min(self.max_ngram, L - 1), 0, -1):
             # windows t[i:i+n] == t[L-n:] for i = 0..L-n (the suffix itself is one of them)
             ok = t[: L - n + 1] == t[L - n]
@@ -93,9 +100,8 @@ class TransformersPromptLookup(_Context):
                 at_eos = np.flatnonzero(np.isin(draft, self.eos))
                 if len(at_eos):
                     draft = draft[: at_eos[0]]
-            self.match_len = n
-            return draft
-        return np.zeros(0, np.int32)
+            return Draft(draft, n)
+        return EMPTY
 
 
 class VllmNgram(_Context):
@@ -111,12 +117,11 @@ class VllmNgram(_Context):
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, max_tokens: int) -> np.ndarray:
+    def propose(self, max_tokens: int) -> Draft:
         t, L = self.tokens, self.n
-        self.match_len = 0
         k = min(self.k, max_tokens)
         if L < self.min_n or k <= 0:
-            return np.zeros(0, np.int32)
+            return EMPTY
         ends = np.flatnonzero(t[: L - 1] == t[L - 1])   # earlier positions that end a 1-token match
         longest, best = 0, -1
         for m in range(1, self.max_n + 1):              # invariant: ends match the last m tokens
@@ -128,9 +133,8 @@ class VllmNgram(_Context):
             ends = ends[ends - m >= 0]
             ends = ends[t[ends - m] == t[L - 1 - m]]
         if longest < self.min_n:
-            return np.zeros(0, np.int32)
-        self.match_len = longest
-        return t[best + 1: min(best + 1 + k, L)].copy()
+            return EMPTY
+        return Draft(t[best + 1: min(best + 1 + k, L)].copy(), longest)
 
 
 class SuffixDecoding(_Context):
@@ -170,13 +174,12 @@ class SuffixDecoding(_Context):
             depth += 1
         return draft, score
 
-    def propose(self, max_tokens: int) -> np.ndarray:
+    def propose(self, max_tokens: int) -> Draft:
         t, L = self.tokens, self.n
         k = min(self.k, max_tokens)
-        self.match_len = 0
-        best, best_score = [], 0.0
+        best, best_score, best_m = [], 0.0, 0
         if L == 0 or k <= 0:
-            return np.zeros(0, np.int32)
+            return EMPTY
         starts = np.flatnonzero(t[:L] == t[L - 1])    # occurrences of the last m tokens (m = 1)
         for m in range(1, min(self.depth, L)):        # pattern = last D tokens; match_len < len(pattern)
             if m > 1:
@@ -187,8 +190,8 @@ class SuffixDecoding(_Context):
             max_m = max(min(k, int(m * self.factor + self.offset + 1e-6)), 0)
             draft, score = self._path(starts, m, max_m)
             if score >= best_score:
-                best, best_score, self.match_len = draft, score, m
-        return np.asarray(best, dtype=np.int32)
+                best, best_score, best_m = draft, score, m
+        return Draft(np.asarray(best, dtype=np.int32), best_m)
 
 
 class _KnowsOutput(_Context):
@@ -213,12 +216,11 @@ class SelectionOracle(_KnowsOutput):
     reach at best. output: the whole true continuation (int [n]).
     """
 
-    def propose(self, max_tokens: int) -> np.ndarray:
+    def propose(self, max_tokens: int) -> Draft:
         t, L = self.tokens, self.n
         future = self.output[self.pos: self.pos + max_tokens]
-        self.match_len = 0
         if len(future) == 0 or L < 2:
-            return np.zeros(0, np.int32)
+            return EMPTY
         starts = np.flatnonzero(t[: L - 1] == t[L - 1]) + 1    # continuation starts, all < L
         kept = np.zeros(len(starts), dtype=np.int64)
         alive = np.ones(len(starts), dtype=bool)
@@ -230,10 +232,9 @@ class SelectionOracle(_KnowsOutput):
             if not alive.any():
                 break
         if len(starts) == 0 or kept.max() == 0:
-            return np.zeros(0, np.int32)                      # nothing would be kept: draft nothing
+            return EMPTY                                       # nothing would be kept: draft nothing
         best = int(starts[np.argmax(kept)])
-        self.match_len = 1
-        return t[best: min(best + max_tokens, L)].copy()
+        return Draft(t[best: min(best + max_tokens, L)].copy(), 1)
 
 
 class ContextCopyOracle(_KnowsOutput):
@@ -242,12 +243,11 @@ class ContextCopyOracle(_KnowsOutput):
     output: the whole true continuation (int [n]); the oracle's position in it advances with extend().
     """
 
-    def propose(self, max_tokens: int) -> np.ndarray:
+    def propose(self, max_tokens: int) -> Draft:
         t, L = self.tokens, self.n
         future = self.output[self.pos: self.pos + max_tokens]
-        self.match_len = 0
         if len(future) == 0:
-            return np.zeros(0, np.int32)
+            return EMPTY
         starts = np.flatnonzero(t == future[0])
         m = 0
         while len(starts):                              # every start matches future[:m + 1]
@@ -256,5 +256,44 @@ class ContextCopyOracle(_KnowsOutput):
                 break
             starts = starts[starts + m < L]
             starts = starts[t[starts + m] == future[m]]
-        self.match_len = m
-        return future[:m].copy()
+        return Draft(future[:m].copy(), m)
+
+
+class SubstitutionKey:
+    """SuffixIndex plus the substitution re-sync: copy from one past the mismatched source token.
+
+    Example: source [5, 6, 7, 8, 9] copied as [5, 6, X]: the index matches nothing ending in X, this
+    rule drafts [8, 9] (X took 7's place).
+    """
+
+    def __init__(self, tokens, min_len: int = 2, eos_token_ids=(), **index_kw):
+        self.index = SuffixIndex(tokens, eos_token_ids=eos_token_ids, **index_kw)
+        self.min_len = min_len
+        self.eos = np.asarray(list(eos_token_ids), dtype=np.int32)
+        self._src = -1        # where the last draft was copied from (-1: no draft)
+        self._skip = -1       # source position after a miss: one past the replaced token
+
+    def extend(self, tokens) -> None:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        t = self.index.tokens
+        self._skip = -1
+        if self._src >= 0 and len(tokens):
+            src = t[self._src: self._src + len(tokens)]
+            same = src == tokens[: len(src)]
+            if len(src) < len(tokens) or not same.all():
+                j = int(np.argmin(same)) if not same.all() else len(src)
+                self._skip = self._src + j + 1
+        self.index.extend(tokens)
+
+    def propose(self, max_tokens: int) -> Draft:
+        n = len(self.index)
+        if self._skip >= 0 and self.index.match_len < self.min_len and self._skip < n and max_tokens > 0:
+            draft = self.index.tokens[self._skip: min(self._skip + max_tokens, n)].copy()
+            at_eos = np.flatnonzero(np.isin(draft, self.eos))
+            if len(at_eos):
+                draft = draft[: at_eos[0]]
+            self._src = self._skip if len(draft) else -1
+            return Draft(draft, 1)
+        draft = self.index.propose(max_tokens)
+        self._src = self.index.match_end + 1 if len(draft) else -1
+        return draft

@@ -22,13 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from tqdm import tqdm
 
 from benchmarks import workloads
-from lookup_decode.bench import Timeline, chat_ids, command_line, environment, loop_score, timed_generate
+from benchmarks.common import Timeline
+from lookup_decode.bench import command_line, environment, loop_score, timed_generate
+from lookup_decode.models import chat_ids
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batch"

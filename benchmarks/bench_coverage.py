@@ -30,15 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
 import lookup_decode
 from benchmarks import workloads
-from lookup_decode.bench import (chat_ids, command_line, environment, first_mismatch, interleaved_order, loop_score,
-                                 load_tokenizer, sync, timed_generate)
+from benchmarks.common import first_mismatch
+from lookup_decode.bench import command_line, environment, interleaved_order, loop_score, timed_generate
+from lookup_decode.cost import sync
+from lookup_decode.models import chat_ids, load_tokenizer
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coverage"

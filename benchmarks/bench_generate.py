@@ -20,15 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from tqdm import tqdm
 
 from benchmarks import report, workloads
-from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, accepted_histogram, chat_ids,
-                                 copy_share, environment, first_mismatch, interleaved_order, loop_score,
-                                 measure_forward_cost, run_variant, speedup)
+from benchmarks.common import accepted_histogram, copy_share, first_mismatch
+from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, environment, interleaved_order,
+                                 loop_score, run_variant, speedup)
+from lookup_decode.cost import measure_forward_cost
+from lookup_decode.models import chat_ids
 from lookup_decode.stats import DecodeStats
 
 VARIANTS = {

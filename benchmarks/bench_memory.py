@@ -7,96 +7,31 @@ Sessions whose outputs are this model's own (greedy), run step by step; every st
 (`none`: lookup_decode defaults; `memory`: the same with one Memory for the workload and its
 References; optionally `plain`: model.generate) in rotated order after an untimed warm-up, and
 checks that all outputs are identical. Later steps are built from the earlier outputs, as a client
-would. Workloads (data from ../shared/data):
-* mt_redundant: MT-Redundant chats; turn 1 = [t1], turn 2 = [t1, a1, t2] with this model's a1
-  (history in the prompt, the usual chat API).
-* edits: successive edits of one NoFunEval Python file: the data set's instruction, then two more of
-  its real instructions (speed, energy), each applied to the file as the previous step left it.
-* rag: ClapNQ with every passage of the first 300 rows registered once as a reference document;
-  each request carries its passage and question.
-* rerun: the same first turns asked again in a later run (a pipeline re-run; with greedy decoding
-  the answers repeat, so the memory supplies them whole).
+would. Workloads (data from ../shared/data): `memory_sessions.END_TO_END` — mt_redundant (turn 2
+carries this model's turn 1), edits (three successive edits of a small Python file), rag (ClapNQ with
+300 rows' passages registered) and rerun (the same first turns asked again); the offline replay
+(replay_memory.py) runs the same builders on real outputs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
 import lookup_decode
-from benchmarks import workloads
-from benchmarks.workloads import _jsonl, _maybe_list, data_dir
-from lookup_decode.bench import chat_ids, environment
+from benchmarks import memory_sessions
+from lookup_decode.bench import environment
+from lookup_decode.models import chat_ids
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ["none", "memory"]
-EDIT_INSTRUCTIONS = [
-    "Rewrite the given python program to optimize and improve the speed of execution. Write the entire code and no "
-    "other text in the response.",
-    "Rewrite the given python program to optimize and improve the energy usage. Write the entire code and no other "
-    "text in the response.",
-]
-
-
-def _user(text):
-    return [{"role": "user", "content": text}]
-
-
-def _code(text: str) -> str:
-    """The first fenced code block of a reply, or the reply itself."""
-    m = re.search(r"```[a-zA-Z]*\n(.*?)(```|$)", text, re.S)
-    return m.group(1) if m else text
-
-
-def sessions(name: str, n: int):
-    """Per session, a list of (group, make_messages(previous output text) -> messages, scored)."""
-    if name in ("mt_redundant", "rerun"):
-        reqs = workloads.mt_redundant()[:n]
-        if name == "rerun":
-            first = [("run1", lambda prev, r=r: r.messages[:1], False) for r in reqs]
-            return [first + [("run2", lambda prev, r=r: r.messages[:1], True) for r in reqs]]
-        out = []
-        for r in reqs:
-            out.append([("turn1", lambda prev, r=r: r.messages[:1], True),
-                        ("turn2", lambda prev, r=r: [r.messages[0], {"role": "assistant", "content": prev},
-                                                     r.messages[2]], True)])
-        return [sum(out, [])]                   # one session: the memory spans the chats
-    if name == "edits":
-        rows = [r for r in _jsonl(data_dir() / "nofuneval_edit" / "nofuneval_edit.jsonl")
-                if r["pl"].lower() == "python" and 200 <= len(r["source_code"]) <= 600][:n]
-        out = []
-        for row in rows:
-            steps, file = [], row["source_code"]
-            for i, instr in enumerate([row["instruction"], *EDIT_INSTRUCTIONS]):
-                steps.append((f"edit{i + 1}", lambda prev, instr=instr, i=i, file=file: _user(
-                    f"{instr}\n\n```python\n{file if i == 0 else _code(prev)}\n```"), True))
-            out.append(steps)
-        return [sum(out, [])]
-    if name == "rag":
-        return [[("answer", lambda prev, r=r: r.messages, True) for r in workloads.clapnq()[:n]]]
-    raise KeyError(name)
-
-
-def references_for(name: str, tokenizer):
-    if name != "rag":
-        return None
-    refs = lookup_decode.References()
-    for row in list(_jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"))[:300]:
-        passages = _maybe_list(row["passages"])
-        refs.register(str(row["id"]), "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in passages),
-                      tokenizer=tokenizer)
-    return refs
 
 
 def run_once(model, ids, variant, max_new_tokens, memory, refs):
@@ -114,7 +49,8 @@ def run_once(model, ids, variant, max_new_tokens, memory, refs):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workloads", nargs="+", default=["mt_redundant", "edits", "rag", "rerun"])
+    ap.add_argument("--workloads", nargs="+", default=list(memory_sessions.END_TO_END),
+                    choices=list(memory_sessions.END_TO_END))
     ap.add_argument("--n", type=int, default=4, help="chats / files / questions per workload")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1800)
@@ -127,18 +63,20 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = lookup_decode.load_model()
     variants = (["plain"] if args.plain else []) + VARIANTS
-    warm = chat_ids(tokenizer, _user("Say hello."))
+    warm = chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}])
     for v in variants:                            # first calls allocate; lookup measures the forward cost once
         run_once(model, warm, v, 8, lookup_decode.Memory(100), None)
     records, k = [], 0
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.workloads:
-        memory, refs = lookup_decode.Memory(args.memory_tokens), references_for(name, tokenizer)
-        for session in sessions(name, args.n):
-            prev = ""
-            for group, make, scored in session:
-                ids = chat_ids(tokenizer, make(prev))
+        workload = memory_sessions.load(name, args.n, memory_sessions.END_TO_END)
+        memory, refs = lookup_decode.Memory(args.memory_tokens), memory_sessions.references(workload, tokenizer)
+        for session in workload.sessions:
+            prev = ""                             # the model's own output of the session's previous step
+            for step in session:
+                group, scored = step.group, step.score
+                ids = chat_ids(tokenizer, step.prompt(prev))
                 if ids.shape[1] > args.max_prompt_tokens:
                     print(f"skip {name}/{group}: {ids.shape[1]} prompt tokens", file=sys.stderr)
                     prev = ""

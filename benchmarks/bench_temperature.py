@@ -17,15 +17,12 @@ import statistics
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 from tqdm import tqdm
 
 from benchmarks import workloads
-from lookup_decode.bench import LOOP_THRESHOLD, Variant, chat_ids, environment, loop_score, run_variant
-from lookup_decode.models import load_model
+from lookup_decode.bench import LOOP_THRESHOLD, Variant, environment, loop_score, run_variant
+from lookup_decode.models import chat_ids, load_model
 from lookup_decode.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results"

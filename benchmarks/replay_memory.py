@@ -7,10 +7,13 @@ Each workload (see `benchmarks/memory_sessions.py`) is a sequence of requests wi
 replayed in order twice: without memory (each request drafts from its own prompt and output only,
 lookup_decode's default) and with one `Memory` for the whole workload (plus its `References`),
 where every request also drafts from earlier outputs and registered documents and then stores its
-output. Steps are replayed with `lookup_decode.bench.replay`: cap-32 drafts, all verified (mean
+output. Steps are replayed with `lookup_decode.replay.replay`: cap-32 drafts, all verified (mean
 accepted length, bonus token included) and, with the forward-cost curve of a bench_generate run,
 with the adaptive policy choosing what to verify (modelled speed-up over plain decoding on that
 machine; the ratio of the two variants is the modelled speed-up of memory over no memory).
+--corpus-min-match / --alone-min-match replay other choices of how long a match in the memory or
+the references must be (lookup_decode.sources: CORPUS_MIN_MATCH while the request has a draft of its
+own, ALONE_MIN_MATCH when it has none); benchmarks/results/memory_replay/README.md has the comparison.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks import memory_sessions
-from lookup_decode.bench import chat_ids, environment, estimated_speedup, load_tokenizer, replay
+from benchmarks.common import eos_of
+from benchmarks.replay import load_cost_curve
+from lookup_decode import sources
+from lookup_decode.bench import environment
 from lookup_decode.config import LookupConfig
+from lookup_decode.cost import CostCurve
 from lookup_decode.index import SuffixIndex
-from lookup_decode.memory import Memory, References
-from lookup_decode.policy import CostCurve, DraftPolicy
+from lookup_decode.memory import Memory
+from lookup_decode.models import chat_ids, load_tokenizer
+from lookup_decode.policy import DraftPolicy
+from lookup_decode.replay import estimated_speedup, replay
 from lookup_decode.sources import SourcesProposer
 from lookup_decode.stats import DecodeStats
 
@@ -41,12 +47,16 @@ DEFAULT_COST = Path("benchmarks/results/generate/results.json")   # relative: ru
 
 
 def tokenize(workload, tokenizer):
-    """Per session, per step: (prompt int32 [T], output int32 [n], step)."""
+    """Per session, per step: (prompt int32 [T], output int32 [n], step); a prompt built from the
+    previous step's output gets its real output."""
     out = []
     for session in workload.sessions:
-        out.append([(chat_ids(tokenizer, s.messages)[0].numpy().astype(np.int32),
-                     np.asarray(tokenizer(s.output, add_special_tokens=False)["input_ids"], np.int32), s)
-                    for s in session])
+        steps, previous = [], ""
+        for s in session:
+            steps.append((chat_ids(tokenizer, s.prompt(previous))[0].numpy().astype(np.int32),
+                          np.asarray(tokenizer(s.output, add_special_tokens=False)["input_ids"], np.int32), s))
+            previous = s.output
+        out.append(steps)
     return out
 
 
@@ -55,11 +65,7 @@ def run(workload, sessions, tokenizer, *, use_memory: bool, cap: int, cost: Cost
     """Replay every session; per group: DecodeStats (fixed) and DecodeStats (adaptive, if cost)."""
     cfg = LookupConfig()
     corpus_kw = corpus_kw or {}
-    refs = None
-    if use_memory and workload.references:
-        refs = References()
-        for name, text in workload.references.items():
-            refs.register(name, text, tokenizer=tokenizer)
+    refs = memory_sessions.references(workload, tokenizer) if use_memory else None
     groups: dict[str, dict] = {}
     from_source: dict[str, int] = {}
     t0 = time.perf_counter()
@@ -100,7 +106,9 @@ def run(workload, sessions, tokenizer, *, use_memory: bool, cap: int, cost: Cost
 def markdown(result: dict) -> str:
     lines = ["# Session memory and reference documents: offline replay", "",
              f"Command: `{result['environment']['command']}`  ",
-             f"Cap {result['cap']}; memory bound {result['max_tokens']} tokens; tokenizer: default model's.  ",
+             f"Cap {result['cap']}; memory bound {result['max_tokens']} tokens; tokenizer: default model's; "
+             f"corpus matches of >= {result['corpus_min_match']} tokens beside a draft of the request's own, "
+             f">= {result['alone_min_match']} when it has none.  ",
              "Mean accepted length = tokens per step, bonus included, every draft verified. The modelled speed-up "
              "prices each step of the adaptive policy with the forward-cost curve "
              f"({result['cost_curve'] or 'none'}); 'memory vs none' is the ratio of the modelled times.", "",
@@ -133,24 +141,28 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=200_000, help="memory bound in tokens (default 200k)")
     ap.add_argument("--cost-curve", default=str(DEFAULT_COST) if DEFAULT_COST.exists() else None,
                     help="bench_generate results.json with forward_cost (default: the committed one); '' for none")
+    ap.add_argument("--corpus-min-match", type=int, default=sources.CORPUS_MIN_MATCH,
+                    help="shortest memory/reference match that may beat a draft of the request's own "
+                    f"(default {sources.CORPUS_MIN_MATCH}, the package's)")
+    ap.add_argument("--alone-min-match", type=int, default=sources.ALONE_MIN_MATCH,
+                    help="shortest memory/reference match when the request has no draft "
+                    f"(default {sources.ALONE_MIN_MATCH}, the package's)")
     ap.add_argument("--out", default=str(RESULTS / "memory_replay"))
     args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer()
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    cost = None
-    if args.cost_curve:
-        fc = json.loads(Path(args.cost_curve).read_text())["forward_cost"]
-        cost = CostCurve(fc["sizes"], fc["seconds"], args.cap + 1)
+    eos = eos_of(tokenizer)
+    cost = load_cost_curve(args.cost_curve, args.cap + 1) if args.cost_curve else None
+    corpus_kw = {"corpus_min_match": args.corpus_min_match, "alone_min_match": args.alone_min_match}
     rows = []
     for name in tqdm(args.workloads, desc="workloads"):
         w = memory_sessions.load(name, args.limit)
         sessions = tokenize(w, tokenizer)
         rows.append({"name": name, **{label: run(w, sessions, tokenizer, use_memory=flag, cap=args.cap, cost=cost,
-                                                 max_tokens=args.max_tokens, eos=eos)
+                                                 max_tokens=args.max_tokens, eos=eos, corpus_kw=corpus_kw)
                                       for label, flag in (("without", False), ("with", True))}})
     result = {"environment": environment(), "cap": args.cap, "max_tokens": args.max_tokens,
-              "cost_curve": args.cost_curve, "workloads": rows}
+              "cost_curve": args.cost_curve, **corpus_kw, "workloads": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.json").write_text(json.dumps(result, indent=1))

@@ -16,9 +16,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from lookup_decode.bench import spread, throughput_ratio
 
 PLAIN, PROMPT_LOOKUP = "plain", "prompt_lookup"

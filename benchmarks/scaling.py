@@ -4,7 +4,7 @@
     python -m benchmarks.scaling --parts output --cost-grid benchmarks/results/scaling/cost_grid.json
 
 Every part separates what is *measured* end to end with the default model on this machine from what
-is *projected*: a proposer replayed on a known output (no model; `lookup_decode.bench.replay`), each
+is *projected*: a proposer replayed on a known output (no model; `lookup_decode.replay.replay`), each
 step priced as one forward over draft + 1 tokens with the forward cost *measured on this machine* at
 that context length (`cost_grid.py`; a synthetic KV cache stands in for contexts the model cannot
 hold or would take hours to prefill). Projections leave out proposer time (µs per step, reported).
@@ -37,21 +37,19 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from tqdm import tqdm
 
 from benchmarks import workloads
 from benchmarks.aider_after import move_method_to_top_level, parse_task
 from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup
+from benchmarks.common import Timeline, copy_share, eos_of, real_pairs
 from benchmarks.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
-from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, Timeline, Variant, chat_ids, copy_share, environment,
-                                 interleaved_order, load_tokenizer, loop_score, replay, spread)
+from lookup_decode.bench import LOOP_THRESHOLD, PLAIN, Variant, environment, interleaved_order, loop_score, spread
 from lookup_decode.config import LookupConfig
 from lookup_decode.index import SuffixIndex
-from lookup_decode.policy import DraftPolicy
+from lookup_decode.models import chat_ids, load_tokenizer
+from lookup_decode.policy import FIRST_PRIOR_FACTOR, DraftPolicy
+from lookup_decode.replay import replay
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling"
 K = LookupConfig.k
@@ -78,15 +76,17 @@ def make_proposer(name: str, prompt, output, eos):
     raise KeyError(name)
 
 
-def projected(name: str, prompt, output, cost: CostGrid, eos, lengths=None) -> dict:
+def projected(name: str, prompt, output, cost: CostGrid, eos, lengths=None,
+              first_prior_factor: float = FIRST_PRIOR_FACTOR) -> dict:
     """Replay one (prompt, output) pair with one proposer and price it with `cost` at the prompt's context.
 
     Returns speed-up over plain decoding of the whole output (and after the first L tokens per L in
-    `lengths`), mean accepted length and proposer µs per step.
+    `lengths`), mean accepted length and proposer µs per step. first_prior_factor: of the adaptive
+    policy (replay.py --prior-factors varies it).
     """
     proposer, cap, adaptive = make_proposer(name, prompt, output, eos)
     context = len(prompt)
-    policy = DraftPolicy(cap, cost.curve(context, cap + 1)) if adaptive else None
+    policy = DraftPolicy(cap, cost.curve(context, cap + 1), first_prior_factor=first_prior_factor) if adaptive else None
     stats = replay(proposer, output, cap, policy)
     emitted, seconds = step_times(stats.draft_lengths, stats.accepted_lengths, cost, context)
     plain = plain_times(len(output), cost, context)
@@ -181,18 +181,6 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
     return records
 
 
-def replay_pairs(tokenizer, sets: list[str], limit: int, min_tokens: int = 1) -> dict[str, list]:
-    """Per set: (prompt int32 [T], output int32 [n]) for requests with a real large-model output."""
-    pairs = {}
-    for name in sets:
-        reqs = [r for r in workloads.load(name) if r.reference and r.reference.strip()][:limit]
-        got = [(chat_ids(tokenizer, r.messages)[0].numpy().astype(np.int32),
-                np.asarray(tokenizer(r.reference, add_special_tokens=False)["input_ids"], dtype=np.int32))
-               for r in reqs]
-        pairs[name] = [(p, o) for p, o in got if len(o) >= min_tokens]
-    return pairs
-
-
 def summarize_by_length(rows: list[dict], key: str) -> dict:
     """{group: {L: spread of speed-up after L tokens}} over rows with `lengths`/`speedup_at`."""
     out = {}
@@ -208,7 +196,7 @@ def part_output(args, model, tokenizer, cost, eos) -> dict:
     measured = measure_output_length(model, tokenizer, args) if model is not None and args.output_n > 0 else []
     clean = [r for r in measured if r["loop_score"] <= LOOP_THRESHOLD]
     rows = []
-    for name, ps in replay_pairs(tokenizer, args.replay_sets, args.replay_limit, min_tokens=LENGTHS[0]).items():
+    for name, ps in real_pairs(tokenizer, args.replay_sets, args.replay_limit, min_tokens=LENGTHS[0]).items():
         for prompt, output in tqdm(ps, desc=f"replay {name}", leave=False):
             row = projected("lookup_decode", prompt, output, cost, eos, LENGTHS)
             rows.append({"set": name, "lengths": LENGTHS, **row})
@@ -255,7 +243,7 @@ def measured_points(path: str, tokenizer, cost: CostGrid, eos, categories=None) 
 
 def aider_rows() -> list[dict]:
     path = workloads.data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"
-    return list(workloads._jsonl(path))
+    return list(workloads.read_jsonl(path))
 
 
 def context_prompts(tokenizer, contexts: list[int], n_targets: int, max_target_chars: int, seed: int) -> list[dict]:
@@ -310,7 +298,7 @@ def part_context(args, tokenizer, cost, eos) -> dict:
 
 def part_copy(args, tokenizer, cost, eos) -> dict:
     rng = np.random.default_rng(args.seed)
-    pairs = replay_pairs(tokenizer, ["cnn_dm"], args.copy_prompts + 40)["cnn_dm"]
+    pairs = real_pairs(tokenizer, ["cnn_dm"], args.copy_prompts + 40)["cnn_dm"]
     base, others = pairs[: args.copy_prompts], pairs[args.copy_prompts:]
     novel = np.concatenate([o for _, o in others])        # real summaries of *other* articles
     controlled = []
@@ -322,7 +310,7 @@ def part_copy(args, tokenizer, cost, eos) -> dict:
                 controlled.append({"prompt": i, "share": share, "built_share": float(mask.mean()),
                                    "measured_share": copy_share(prompt, output), "proposer": name, **row})
     real = []
-    for name, ps in replay_pairs(tokenizer, args.replay_sets, args.replay_limit).items():
+    for name, ps in real_pairs(tokenizer, args.replay_sets, args.replay_limit).items():
         for prompt, output in tqdm(ps, desc=f"real {name}", leave=False):
             row = projected("lookup_decode", prompt, output, cost, eos)
             real.append({"set": name, "copy_share": copy_share(prompt, output), **row})
@@ -377,7 +365,7 @@ def main(argv=None) -> int:
         model, tokenizer = load_model(args.model, device=device)
     else:
         tokenizer = load_tokenizer(args.model)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = eos_of(tokenizer)
     SuffixIndex([1, 2, 1, 2], min_match=1).propose(2)   # compile the index kernels first
 
     if args.cost_grid:
@@ -417,7 +405,7 @@ def synthetic_vs_real(model, tokenizer, repeats: int, context: int = 2048) -> di
     import torch
 
     from benchmarks.cost_grid import synthetic_cache, time_forwards
-    from lookup_decode.bench import measure_forward_cost
+    from lookup_decode.cost import measure_forward_cost
     text = "".join(r["before_code"] for r in aider_rows()[:5])
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"][:context]])
     ids = ids.to(next(model.parameters()).device)

@@ -29,7 +29,7 @@ class Request:
     meta: dict = field(default_factory=dict)
 
 
-def _jsonl(path: Path):
+def read_jsonl(path: Path):
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -37,7 +37,7 @@ def _jsonl(path: Path):
                 yield json.loads(line)
 
 
-def _maybe_list(value):
+def maybe_list(value):
     """Some sets store lists as their Python repr; parse those."""
     if isinstance(value, str) and value[:1] == "[":
         try:
@@ -47,7 +47,7 @@ def _maybe_list(value):
     return value
 
 
-def _user(text: str) -> list[dict]:
+def user_turn(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
@@ -55,21 +55,21 @@ def spec_bench(category: str) -> list[Request]:
     """Spec-Bench first turns; category in summarization, rag, qa, translation, math_reasoning, mt_bench."""
     mt = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
     out = []
-    for row in _jsonl(data_dir() / "spec_bench" / "question.jsonl"):
+    for row in read_jsonl(data_dir() / "spec_bench" / "question.jsonl"):
         cat = "mt_bench" if row["category"] in mt else row["category"]
         if cat != category:
             continue
-        turns = _maybe_list(row["turns"])
-        out.append(Request(category, str(row["question_id"]), _user(turns[0])))
+        turns = maybe_list(row["turns"])
+        out.append(Request(category, str(row["question_id"]), user_turn(turns[0])))
     return out
 
 
 def nofuneval_edit() -> list[Request]:
     """Whole-file code edits; reference = deepseek-coder-33b's real output."""
     out = []
-    for row in _jsonl(data_dir() / "nofuneval_edit" / "nofuneval_edit.jsonl"):
+    for row in read_jsonl(data_dir() / "nofuneval_edit" / "nofuneval_edit.jsonl"):
         text = f"{row['instruction']}\n\n```{row['pl'].lower()}\n{row['source_code']}\n```"
-        out.append(Request("code_edit", row["id"], _user(text), row.get("model_output"),
+        out.append(Request("code_edit", row["id"], user_turn(text), row.get("model_output"),
                            {"source_chars": len(row["source_code"])}))
     return out
 
@@ -77,45 +77,50 @@ def nofuneval_edit() -> list[Request]:
 def editeval() -> list[Request]:
     """Short instruction + code edits (InstructCoder EditEval); reference = the real after-code."""
     out = []
-    for row in _jsonl(data_dir() / "instructcoder_editeval" / "edit_eval.jsonl"):
+    for row in read_jsonl(data_dir() / "instructcoder_editeval" / "edit_eval.jsonl"):
         text = f"{row['instruction']}\n\n```python\n{row['input']}\n```"
-        out.append(Request("editeval", row["task_id"], _user(text), row.get("output")))
+        out.append(Request("editeval", row["task_id"], user_turn(text), row.get("output")))
     return out
 
 
 def aider_refactor(max_chars: int | None = None) -> list[Request]:
     """Refactoring requests over large real source files (long context); no reference."""
     out = []
-    for row in _jsonl(data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"):
+    for row in read_jsonl(data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"):
         if max_chars is not None and len(row["before_code"]) > max_chars:
             continue
         text = f"{row['instruction']}\n\n```python\n{row['before_code']}\n```"
-        out.append(Request("aider_refactor", row["id"], _user(text), None, {"source_chars": len(row["before_code"])}))
+        out.append(Request("aider_refactor", row["id"], user_turn(text), None,
+                           {"source_chars": len(row["before_code"])}))
     return out
+
+
+def clapnq_passages(row: dict) -> str:
+    """A ClapNQ row's passages as one text."""
+    return "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in maybe_list(row["passages"]))
 
 
 def clapnq() -> list[Request]:
     """Retrieval QA: passages + question; reference = the data set's long answer."""
     out = []
-    for row in _jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"):
-        passages = _maybe_list(row["passages"])
-        context = "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in passages)
-        answers = _maybe_list(row["output"])
+    for row in read_jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"):
+        context = clapnq_passages(row)
+        answers = maybe_list(row["output"])
         ref = answers[0].get("answer") if answers and isinstance(answers[0], dict) else None
         text = f"Answer the question using the passage.\n\nPassage:\n{context}\n\nQuestion: {row['input']}"
-        out.append(Request("clapnq", str(row["id"]), _user(text), ref))
+        out.append(Request("clapnq", str(row["id"]), user_turn(text), ref))
     return out
 
 
 def mt_redundant(model_answers: str = "llama3-8B-experiments-redundant.jsonl") -> list[Request]:
     """Second turns that re-ask for earlier content; the first answer is a real model's; reference = its 2nd turn."""
     answers = {}
-    for row in _jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / model_answers):
-        choices = _maybe_list(row["choices"])
-        answers[str(row["question_id"])] = _maybe_list(choices[0]["turns"])
+    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / model_answers):
+        choices = maybe_list(row["choices"])
+        answers[str(row["question_id"])] = maybe_list(choices[0]["turns"])
     out = []
-    for row in _jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl"):
-        turns = _maybe_list(row["turns"])
+    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl"):
+        turns = maybe_list(row["turns"])
         ans = answers.get(str(row["question_id"]))
         if not ans or len(turns) < 2:
             continue
@@ -132,9 +137,9 @@ def _pld(name: str, category: str) -> list[Request]:
         prompt = row["prompt"]
         prompt = prompt[0] if isinstance(prompt, list) else prompt
         prompt = prompt.replace("[INST]", "").replace("[/INST]", "").strip()
-        resp = _maybe_list(row["response_mistral7b"])
+        resp = maybe_list(row["response_mistral7b"])
         ref = resp[0]["response_text"].strip() if resp else None
-        out.append(Request(category, f"{category}/{i}", _user(prompt), ref))
+        out.append(Request(category, f"{category}/{i}", user_turn(prompt), ref))
     return out
 
 
@@ -150,20 +155,21 @@ def hagrid() -> list[Request]:
 
 def humaneval() -> list[Request]:
     """Code generation from a docstring: little to copy (a control)."""
-    return [Request("humaneval", row["task_id"], _user(f"Complete this Python function.\n\n```python\n{row['prompt']}```"),
+    return [Request("humaneval", row["task_id"],
+                    user_turn(f"Complete this Python function.\n\n```python\n{row['prompt']}```"),
                     row["prompt"] + row["canonical_solution"])
-            for row in _jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")]
+            for row in read_jsonl(data_dir() / "humaneval" / "HumanEval.jsonl.gz")]
 
 
 def qmsum(max_chars: int = 12000) -> list[Request]:
     """Meeting transcript + query, transcript cut to max_chars: long input, little copying (a control)."""
     out = []
-    for i, row in enumerate(_jsonl(data_dir() / "qmsum" / "test.jsonl")):
-        turns = _maybe_list(row["meeting_transcripts"])
+    for i, row in enumerate(read_jsonl(data_dir() / "qmsum" / "test.jsonl")):
+        turns = maybe_list(row["meeting_transcripts"])
         transcript = "\n".join(f"{t['speaker']}: {t['content']}" for t in turns)[:max_chars]
-        query = _maybe_list(row["specific_query_list"])[0]
+        query = maybe_list(row["specific_query_list"])[0]
         text = f"Meeting transcript:\n{transcript}\n\n{query['query']}"
-        out.append(Request("qmsum", f"qmsum/{i}", _user(text), query.get("answer")))
+        out.append(Request("qmsum", f"qmsum/{i}", user_turn(text), query.get("answer")))
     return out
 
 

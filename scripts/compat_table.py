@@ -12,6 +12,8 @@ asserts the clear UnsupportedCacheError and passed, "FAILED a/b" otherwise, "" w
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import re
 import subprocess
 import sys
@@ -75,13 +77,19 @@ def results(junit: Path) -> dict:
     return cells
 
 
+@functools.cache
+def _tiny_models():
+    """tests/tiny_models.py, loaded from its file: tests/ is not a package and this script runs from anywhere."""
+    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "tests" / "tiny_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def describe(family: str) -> tuple[str, str]:
     """(model class, default cache layers) of the tiny config, read from the model itself."""
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    import tiny_models
     from transformers import DynamicCache
-    model = tiny_models.build(family)
+    model = _tiny_models().build(family)
     if model.config.is_encoder_decoder:
         return type(model).__name__, "EncoderDecoderCache (self-attention cropped)"
     layers = [type(layer).__name__ for layer in DynamicCache(config=model.config).layers] or ["DynamicLayer"]

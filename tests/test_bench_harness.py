@@ -3,23 +3,21 @@ baseline proposers' rules, and `lookup-decode bench` input errors. No real model
 the batch harness) and no wall-clock thresholds."""
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the repo, not installed
-
-from benchmarks import report  # noqa: E402
-from benchmarks.ablations import SubstitutionKey  # noqa: E402
-from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SuffixDecoding,  # noqa: E402
+from benchmarks import replay as study
+from benchmarks import report
+from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
                                   TransformersPromptLookup, VllmNgram)
-from lookup_decode import bench  # noqa: E402
-from lookup_decode.index import SuffixIndex  # noqa: E402
-from lookup_decode.policy import CostCurve  # noqa: E402
-from lookup_decode.stats import DecodeStats  # noqa: E402
+from benchmarks.common import accepted_histogram, first_mismatch
+from lookup_decode import bench, replay
+from lookup_decode.cost import CostCurve
+from lookup_decode.draft import Draft
+from lookup_decode.index import SuffixIndex
+from lookup_decode.stats import DecodeStats
 
 
 # ------------------------------------------------------------------------------------ interleaving
@@ -61,13 +59,13 @@ def test_measure_follows_interleaved_order_and_records_tokens():
     model = FakeModel()
     prompts = [torch.tensor([[10, 1]]), torch.tensor([[11, 1]])]
     variants = [bench.PLAIN, bench.PROMPT_LOOKUP, bench.Variant("lookup", lookup={"k": 4})]
-    measured = bench._measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
+    measured = bench.measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
     assert model.calls == [(10, "plain"), (10, "pld"), (10, "lookup"), (10, "pld"), (10, "lookup"), (10, "plain"),
                            (11, "pld"), (11, "lookup"), (11, "plain"), (11, "lookup"), (11, "plain"), (11, "pld")]
     assert measured[0]["plain"].tokens == [7, 8, 9]
     assert measured[0]["lookup"].tokens == [7, 8, 0]
     assert measured[0]["lookup"].stats.steps == 1
-    summary = bench._compare(measured, "lookup")
+    summary = bench.compare(measured, "lookup")
     assert summary["identical"] == 0 and summary["n"] == 2
     json.dumps(summary)  # the --json output must serialize
 
@@ -94,9 +92,9 @@ def test_throughput_ratio_weighs_long_prompts_unlike_the_median():
 
 
 def test_first_mismatch():
-    assert bench.first_mismatch([1, 2, 3], [1, 2, 3]) is None
-    assert bench.first_mismatch([1, 2, 3], [1, 5, 3]) == 1
-    assert bench.first_mismatch([1, 2], [1, 2, 3]) == 2
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
 
 
 def test_accepted_histogram_from_accepted_at():
@@ -104,8 +102,8 @@ def test_accepted_histogram_from_accepted_at():
     for drafted, accepted in [(3, 3), (3, 0), (2, 1), (0, 0)]:
         stats.observe(drafted, accepted)
     assert stats.accepted_at == [2, 1, 1]
-    assert bench.accepted_histogram(stats) == [2, 1, 0, 1]   # steps that kept exactly 0, 1, 2, 3 drafts
-    assert bench.accepted_histogram(DecodeStats()) == [0]
+    assert accepted_histogram(stats) == [2, 1, 0, 1]   # steps that kept exactly 0, 1, 2, 3 drafts
+    assert accepted_histogram(DecodeStats()) == [0]
 
 
 # -------------------------------------------------------------------------------------- loop score
@@ -148,7 +146,7 @@ OUTPUT = [4, 1, 2, 7, 1, 2, 3, 4]
     (lambda: SelectionOracle(PROMPT, OUTPUT), [3, 0, 2], [2, 2, 1]),
 ])
 def test_replay_hand_worked(make, draft_lengths, accepted_at):
-    stats = bench.replay(make(), OUTPUT, cap=3)
+    stats = replay.replay(make(), OUTPUT, cap=3)
     assert stats.draft_lengths == draft_lengths
     assert stats.accepted_at == accepted_at
     assert stats.steps == len(draft_lengths)
@@ -159,7 +157,7 @@ def test_replay_hand_worked(make, draft_lengths, accepted_at):
 
 def test_replay_feeds_exactly_the_true_tokens():
     index = SuffixIndex(PROMPT, min_match=2)
-    bench.replay(index, OUTPUT, cap=3)
+    replay.replay(index, OUTPUT, cap=3)
     assert index.tokens.tolist() == PROMPT + OUTPUT
 
 
@@ -171,7 +169,7 @@ class Scripted:
 
     def propose(self, max_tokens):
         self.offered.append(max_tokens)
-        return np.asarray(self.drafts.pop(0)[:max_tokens], dtype=np.int32)
+        return Draft(np.asarray(self.drafts.pop(0)[:max_tokens], dtype=np.int32), self.match_len)
 
     def extend(self, tokens):
         self.fed.append(list(np.asarray(tokens).tolist()))
@@ -180,7 +178,7 @@ class Scripted:
 def test_replay_accounting_with_scripted_drafts():
     output = [5, 6, 7, 8, 9, 10]
     p = Scripted([[5, 6, 0], [], [9, 10, 11]])
-    stats = bench.replay(p, output, cap=4)
+    stats = replay.replay(p, output, cap=4)
     # step 1: [5,6] kept, 0 rejected -> emits 5,6,7; step 2: no draft -> emits 8;
     # step 3: offered 6-4-1 = 1 token -> [9] kept + bonus 10
     assert p.offered == [4, 2, 1]
@@ -193,11 +191,11 @@ def test_replay_with_policy_verifies_what_the_policy_chooses():
     from lookup_decode.policy import DraftPolicy
 
     class Fixed(DraftPolicy):
-        def choose(self, available, match_len):
-            return min(1, available)
+        def choose(self, drafts):
+            return 1 + min(1, max(len(d) for d in drafts))
 
     index = SuffixIndex(PROMPT, min_match=2)
-    stats = bench.replay(index, OUTPUT, cap=3, policy=Fixed(3))
+    stats = replay.replay(index, OUTPUT, cap=3, policy=Fixed(3))
     assert max(stats.draft_lengths) == 1
     assert index.tokens.tolist() == PROMPT + OUTPUT
 
@@ -207,8 +205,8 @@ def test_estimated_speedup_prices_each_step_as_one_forward():
     for d, a in [(3, 3), (0, 0), (0, 0), (1, 1)]:
         stats.observe(d, a)
     cost = lambda n: 1.0 + 0.1 * (n - 1)  # noqa: E731
-    assert bench.estimated_seconds(stats, cost) == pytest.approx(1.3 + 1 + 1 + 1.1)
-    assert bench.estimated_speedup(stats, cost) == pytest.approx(8 / 4.4)
+    assert replay.estimated_seconds(stats, cost) == pytest.approx(1.3 + 1 + 1 + 1.1)
+    assert replay.estimated_speedup(stats, cost) == pytest.approx(8 / 4.4)
 
 
 def test_search_settings_ranks_every_setting():
@@ -216,11 +214,41 @@ def test_search_settings_ranks_every_setting():
     block = rng.integers(10, 500, size=40).tolist()
     prompts, outputs = [block + [1, 2]], [block[:30]]
     cost = CostCurve([1, 65], [1.0, 2.0], 65)
-    rows = bench.search_settings(prompts, outputs, cost, eos_token_ids=[0], ks=(4, 16), min_matches=(1, 2))
+    rows = replay.search_settings(prompts, outputs, cost, eos_token_ids=[0], ks=(4, 16), min_matches=(1, 2))
     assert len(rows) == 2 * 2 * 2
     speeds = [r["estimated_speedup"] for r in rows]
     assert speeds == sorted(speeds, reverse=True)
     assert rows[0]["mean_accepted_length"] > 1.0
+
+
+def copying_pair(seed=0):
+    """A prompt over a small vocabulary and an output copying two of its spans around new text."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, 40, size=300).astype(np.int32)
+    return prompt, np.concatenate([prompt[20:60], rng.integers(3, 40, size=10), prompt[100:150]]).astype(np.int32)
+
+
+def test_measure_priors_counts_every_drafting_step():
+    """replay.py --measure-priors: its counts agree with the DecodeStats of the same replay."""
+    prompt, output = copying_pair()
+    counts = study.prior_counts([(prompt, output)], cap=8, eos=[0])
+    stats = replay.replay(study.PROPOSERS["lookup_decode"](prompt, output, 8, [0]), output, cap=8)
+    assert stats.accepted > 0
+    steps = [(d, a) for d, a in zip(stats.draft_lengths, stats.accepted_lengths) if d]
+    assert counts[:, 1].sum() == len(steps)                              # first position: tried once per draft
+    assert counts[:, 0].sum() == stats.accepted_at[0]                    # ... kept
+    assert counts[:, 2].sum() == stats.accepted - stats.accepted_at[0]   # later positions kept
+    assert counts[:, 3].sum() == sum(min(a, d - 1) for d, a in steps)    # later positions decided
+
+
+def test_replay_tree_of_width_1_is_the_chain_replay():
+    """replay.py --tree-widths: one branch keeps what the chain replay keeps, step for step."""
+    prompt, output = copying_pair(1)
+    chain = study.replay_tree([(prompt, output)], cap=8, width=1, eos=[0])
+    stats = replay.replay(study.PROPOSERS["lookup_decode"](prompt, output, 8, [0]), output, cap=8)
+    assert (chain["steps"], chain["emitted"]) == (stats.steps, len(output))
+    assert chain["mean_accepted_length"] == pytest.approx(stats.mean_accepted_length) and stats.accepted > 0
+    assert chain["nodes_per_step"] == pytest.approx(stats.drafted / stats.steps)
 
 
 # ------------------------------------------------------------------------------ baseline proposers
@@ -235,7 +263,7 @@ def test_search_settings_ranks_every_setting():
     ([9], {}, []),
 ])
 def test_transformers_prompt_lookup_examples(tokens, kwargs, expected):
-    assert TransformersPromptLookup(tokens, **kwargs).propose(100).tolist() == expected
+    assert TransformersPromptLookup(tokens, **kwargs).propose(100).tokens.tolist() == expected
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -250,7 +278,7 @@ def test_transformers_prompt_lookup_matches_transformers(seed):
         ids = torch.tensor([tokens])
         want = ref.get_candidates(ids)[0][0, len(tokens):].tolist()
         got = TransformersPromptLookup(tokens, num_output_tokens=out, max_matching_ngram_size=ngram,
-                                       eos_token_ids=[0]).propose(100).tolist()
+                                       eos_token_ids=[0]).propose(100).tokens.tolist()
         assert got == want, (tokens, ngram, out)
 
 
@@ -264,7 +292,7 @@ def test_transformers_prompt_lookup_matches_transformers(seed):
     ([4, 7, 5, 6, 7], 10, 2, 5, []),                   # below min_n
 ])
 def test_vllm_ngram_examples(tokens, k, min_n, max_n, expected):
-    assert VllmNgram(tokens, k=k, min_n=min_n, max_n=max_n).propose(100).tolist() == expected
+    assert VllmNgram(tokens, k=k, min_n=min_n, max_n=max_n).propose(100).tokens.tolist() == expected
 
 
 def vllm_rule_brute_force(t, k, min_n, max_n):
@@ -284,7 +312,7 @@ def test_vllm_ngram_matches_brute_force(seed):
         min_n = int(rng.integers(1, 4))
         max_n = min_n + int(rng.integers(0, 4))
         k = int(rng.integers(1, 6))
-        assert VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100).tolist() == \
+        assert VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100).tokens.tolist() == \
             vllm_rule_brute_force(t, k, min_n, max_n), (t, k, min_n, max_n)
 
 
@@ -295,14 +323,14 @@ def test_context_copy_oracle_matches_brute_force():
         future = rng.integers(0, 3, size=int(rng.integers(1, 8))).tolist()
         best = max((m for m in range(len(future) + 1)
                     if any(t[j:j + m] == future[:m] for j in range(len(t) - m + 1))), default=0)
-        assert ContextCopyOracle(t, future).propose(100).tolist() == future[:best]
+        assert ContextCopyOracle(t, future).propose(100).tokens.tolist() == future[:best]
 
 
 def test_baselines_extend_past_their_initial_buffer():
     p = VllmNgram([1, 2], k=3, min_n=2, max_n=2)
     p.extend(list(range(3, 3000)))
     p.extend([1, 2])
-    assert p.propose(3).tolist() == [3, 4, 5]
+    assert p.propose(3).tokens.tolist() == [3, 4, 5]
 
 
 # ------------------------------------------------------------------------------------ bench inputs
@@ -455,15 +483,15 @@ def test_suffix_decoding_matches_brute_force(seed):
         t = rng.integers(0, 3, size=int(rng.integers(1, 40))).tolist()
         k, depth = int(rng.integers(1, 12)), int(rng.integers(2, 10))
         factor = float(rng.choice([0.5, 1.0, 2.0]))
-        got = SuffixDecoding(t, k=k, max_tree_depth=depth, max_spec_factor=factor)
-        draft = got.propose(100).tolist()
+        got = SuffixDecoding(t, k=k, max_tree_depth=depth, max_spec_factor=factor).propose(100)
+        draft = got.tokens.tolist()
         assert (draft, got.match_len if draft else 0) == \
             (lambda d, m: (d, m if d else 0))(*suffix_decoding_brute_force(t, k, depth, factor)), (t, k, depth)
 
 
 def test_suffix_decoding_docstring_example():
-    p = SuffixDecoding([1, 2, 3, 1, 2, 3, 1, 2])
-    assert p.propose(10).tolist() == [3, 1, 2] and p.match_len == 5
+    d = SuffixDecoding([1, 2, 3, 1, 2, 3, 1, 2]).propose(10)
+    assert d.tokens.tolist() == [3, 1, 2] and d.match_len == 5
 
 
 def test_selection_oracle_matches_brute_force():
@@ -480,7 +508,7 @@ def test_selection_oracle_matches_brute_force():
                 n += 1
             return n
         best = max((kept(e + 1) for e in range(L - 1) if t[e] == t[L - 1]), default=0)
-        draft = SelectionOracle(t, future).propose(100).tolist()
+        draft = SelectionOracle(t, future).propose(100).tokens.tolist()
         assert kept_of(draft, future) == best
         kept_any += best > 0
     assert kept_any > 20
@@ -496,9 +524,9 @@ def kept_of(draft, future):
 def test_substitution_key_skips_the_replaced_token():
     # Source 5 6 7 8 9 copied as 5 6 X: "X" matches nothing, so the draft resumes one past 7.
     p = SubstitutionKey([0, 5, 6, 7, 8, 9, 0, 5], min_len=2)
-    assert p.propose(2).tolist() == [6, 7]
+    assert p.propose(2).tokens.tolist() == [6, 7]
     p.extend([6, 42])
-    assert p.propose(3).tolist() == [8, 9, 0]
+    assert p.propose(3).tokens.tolist() == [8, 9, 0]
 
 
 def test_bench_batch_measure_accounts_tokens_and_decode_time(tiny_llama):

@@ -4,23 +4,19 @@ generated from the results file. No wall-clock thresholds."""
 
 import ast
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the repo, not installed
-
-from benchmarks import bench_generate, report, workloads  # noqa: E402
-from benchmarks.aider_after import move_method_to_top_level, parse_task  # noqa: E402
-from benchmarks.cost_grid import (CostGrid, plain_times, step_times, synthetic_cache,  # noqa: E402
-                                  time_forwards, time_to)
-from benchmarks.scaling import (PROPOSERS, bucket_medians, controlled_copy_output,  # noqa: E402
-                                projected)
-from conftest import repetitive_prompt  # noqa: E402
-from lookup_decode import bench  # noqa: E402
+from benchmarks import bench_generate, report, workloads
+from benchmarks.aider_after import move_method_to_top_level, parse_task
+from benchmarks.common import Timeline, copy_share
+from benchmarks.cost_grid import CostGrid, plain_times, step_times, synthetic_cache, time_forwards, time_to
+from benchmarks.scaling import PROPOSERS, bucket_medians, controlled_copy_output, projected
+from conftest import repetitive_prompt
+from lookup_decode import bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,7 +84,7 @@ def test_every_aider_task_gives_valid_python_with_the_function_moved():
     path = workloads.data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"
     if not path.exists():
         pytest.skip("shared data not available")
-    rows = [r for r in workloads._jsonl(path) if len(r["before_code"]) < 100_000]
+    rows = [r for r in workloads.read_jsonl(path) if len(r["before_code"]) < 100_000]
     assert len(rows) > 80
     for row in rows:
         cls, method = parse_task(row["instruction"])
@@ -166,13 +162,13 @@ def test_controlled_copy_output_hits_the_share_and_copies_real_spans(share):
     if len(copied):
         assert np.mean(out[copied] == out[copied - 1] + 1) > 0.8
     if share == 1.0:
-        assert bench.copy_share(prompt, out, n=1) == 1.0
+        assert copy_share(prompt, out, n=1) == 1.0
 
 
 def test_copy_share_worked_example():
-    assert bench.copy_share([1, 2, 3], [1, 2, 9, 2, 3], n=2) == pytest.approx(4 / 5)
-    assert bench.copy_share([1, 2, 3], [7, 8, 9], n=2) == 0.0
-    assert bench.copy_share([1, 2], [1], n=2) == 0.0
+    assert copy_share([1, 2, 3], [1, 2, 9, 2, 3], n=2) == pytest.approx(4 / 5)
+    assert copy_share([1, 2, 3], [7, 8, 9], n=2) == 0.0
+    assert copy_share([1, 2], [1], n=2) == 0.0
 
 
 def test_bucket_medians():
@@ -186,7 +182,7 @@ def test_bucket_medians():
 def test_timeline_stamps_every_new_token(tiny_llama, variant):
     from transformers import StoppingCriteriaList
     ids = repetitive_prompt(0)
-    timeline = bench.Timeline("cpu")
+    timeline = Timeline("cpu")
     v = bench.Variant(variant.name, variant.lookup, {"stopping_criteria": StoppingCriteriaList([timeline])})
     run = bench.run_variant(tiny_llama, ids, v, 30)
     plain = bench.run_variant(tiny_llama, ids, bench.PLAIN, 30)
