@@ -1,6 +1,6 @@
 """SuffixIndex: the draft source. Append accepted tokens, ask for the continuation of the current suffix.
 
-The index is an online suffix automaton (see `_kernels.py`): `extend` costs amortized O(1) per
+The index is an online suffix automaton (see `automaton.py`): `extend` costs amortized O(1) per
 token and `propose` costs O(draft), whatever the length of the context, so a 1M-token context
 drafts as fast as a 1k one. Only accepted tokens ever enter the index, so it never rolls back.
 """
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from lookup_decode import _kernels as K
+from lookup_decode import automaton as K
 from lookup_decode.config import check_match
 from lookup_decode.draft import Draft
 
