@@ -49,14 +49,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def select_prompts(names: list[str], tokenizer, n: int, max_prompt_tokens: int, context: int | None,
-                   max_new_tokens: int, seed: int, long_prompt_tokens: int | None = None):
+                   max_new_tokens: int, seed: int, long_prompt_tokens: int | None = None, load=workloads.load):
     """Per workload, up to n requests in a seeded random order whose prompt fits; and skip counts.
 
     Prompts of the long-context workloads (LONG) may have up to long_prompt_tokens (default: max_prompt_tokens).
+    load: name -> requests (default: the shared data sets).
     """
     chosen, skipped = [], {}
     for name in names:
-        reqs = workloads.load(name)
+        reqs = load(name)
         random.Random(seed).shuffle(reqs)
         taken, skipped[name] = 0, 0
         for req in reqs:

@@ -89,7 +89,7 @@ def load(args):
     return load_quietly(args.model, args.threads)
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args, loaded=None) -> int:
     import torch
     from transformers import StoppingCriteriaList, TextStreamer
 
@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
                               adaptive=not args.no_adaptive)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"lookup-decode: {e}")
-    model, tokenizer = load(args)
+    model, tokenizer = loaded if loaded is not None else load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": prompt}]
     input_ids = chat_ids(tokenizer, messages)
@@ -164,10 +164,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, loaded=None) -> int:
+    """Run the command line `argv`; loaded: an already loaded (model, tokenizer) for `generate` (tests, notebooks)."""
     args = build_parser().parse_args(argv)
     if args.command == "generate":
-        return cmd_generate(args)
+        return cmd_generate(args, loaded)
     if args.command == "chat":
         from lookup_decode.chat import cmd_chat
         return cmd_chat(args)

@@ -2,7 +2,7 @@
 
 transformers prepares everything (generation config, logits processors, stopping criteria incl.
 stop strings, the cache) and calls the custom_generate callable with the contract of its own
-`_sample`; `generate` below checks what lookup decoding supports, runs `lookup_generate`, and
+`_sample`; `generate` below checks what lookup decoding supports, runs `decode.decode`, and
 returns what `_sample` would (a tensor, or a GenerateDecoderOnlyOutput). Called directly,
 `lookup_decode.generate(model, input_ids, **generate_kwargs)` goes through `model.generate` the
 same way, so both paths share transformers' own preparation. Every transformers-specific line of

@@ -53,10 +53,8 @@ class SuffixIndex:
        insertion, deletion or substitution — the typical edit of a rewritten file — thus resumes
        copying from the same region instead of from a far-away repeat of a short suffix;
     3. otherwise (no occurrence near the anchor) the *earliest* occurrence.
-    Offline replay on real outputs (benchmarks/results/replay/) chose this rule: rule 2 adds 1-4%
-    tokens per step on every set at caps 10 and 32; most-recent instead of earliest in rule 3 and a
-    majority vote over the occurrences' continuations did not pay in trials, nor did a substitution
-    key (skip the corrected token: `ablate_substitution_key` in the replay).
+    Offline replay on real outputs chose this rule over the alternatives tried (most recent instead of
+    earliest, a majority vote, a substitution key): benchmarks/results/replay/SUMMARY.md.
 
     Args:
         tokens: initial token ids (e.g. the prompt), int [n].

@@ -44,8 +44,8 @@ class Memory(Corpus):
     An entry longer than that keeps its first LOW_WATER * max_tokens tokens.
 
     Args:
-        max_tokens: bound on the tokens held (>= 1). The index costs about 170 bytes per token
-            (`nbytes()`), so 1M tokens take about 170 MB.
+        max_tokens: bound on the tokens held (>= 1). `nbytes()` tells what the index costs (measured
+            per token in benchmarks/results/reference_index/).
         remember_prompts: also store each request's prompt (default: outputs only; a chat's prompt
             already holds its history, and system prompts would crowd out the outputs).
         vocab_size: reject ids >= vocab_size on insertion (models are checked before use anyway).

@@ -113,11 +113,10 @@ def test_sampling_on_real_model_is_valid_and_keeps_drafts(real_model):
     assert total.accepted > 0, "guard: drafts were kept at temperature 0.5 on a code edit"
 
 
-def test_cli_generate_json_compare(real_model, monkeypatch, capsys):
+def test_cli_generate_json_compare(real_model, capsys):
     from lookup_decode import cli
-    monkeypatch.setattr(cli, "load", lambda args: real_model)
     code = cli.main(["generate", "--prompt", "Repeat exactly: the cat sat on the mat. the cat sat on the mat.",
-                     "--max-new-tokens", "24", "--json", "--compare"])
+                     "--max-new-tokens", "24", "--json", "--compare"], loaded=real_model)
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["text"].strip()

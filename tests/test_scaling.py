@@ -201,14 +201,15 @@ class FakeTokenizer:
         return {"input_ids": torch.zeros(1, len(messages[0]["content"]), dtype=torch.long)}
 
 
-def test_long_workloads_have_their_own_prompt_cap(monkeypatch):
+def test_long_workloads_have_their_own_prompt_cap():
     sizes = {"qa": [5000, 100], "aider_refactor": [9000, 5000, 1200]}
-    monkeypatch.setattr(workloads, "load", lambda name: [
-        workloads.Request(name, f"{name}/{i}", [{"role": "user", "content": "x" * n}])
-        for i, n in enumerate(sizes[name])])
+
+    def load(name):
+        return [workloads.Request(name, f"{name}/{i}", [{"role": "user", "content": "x" * n}])
+                for i, n in enumerate(sizes[name])]
     chosen, skipped = bench_generate.select_prompts(["qa", "aider_refactor"], FakeTokenizer(), n=5,
                                                     max_prompt_tokens=4096, context=8192, max_new_tokens=128,
-                                                    seed=0, long_prompt_tokens=6144)
+                                                    seed=0, long_prompt_tokens=6144, load=load)
     kept = sorted((r.category, ids.shape[1]) for r, ids in chosen)
     assert kept == [("aider_refactor", 1200), ("aider_refactor", 5000), ("qa", 100)]
     assert skipped == {"qa": 1, "aider_refactor": 1}
