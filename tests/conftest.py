@@ -73,5 +73,5 @@ def real_model():
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+    from lookup_decode.models import chat_ids as template_ids
+    return template_ids(tokenizer, [{"role": "user", "content": text}])

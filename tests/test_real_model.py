@@ -8,7 +8,7 @@ from transformers import StoppingCriteriaList, StopStringCriteria
 
 import lookup_decode
 from benchmarks import workloads
-from lookup_decode import DecodeStats
+from lookup_decode import DecodeStats, models
 
 pytestmark = pytest.mark.real_model
 
@@ -24,8 +24,7 @@ CASES = ([("code_edit", r) for r in _short(workloads.nofuneval_edit(), 3)]
 
 
 def _ids(tokenizer, request):
-    return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]
+    return models.chat_ids(tokenizer, request.messages)
 
 
 def test_adaptive_default_identical_on_code_edit(real_model):
