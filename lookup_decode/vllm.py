@@ -38,7 +38,7 @@ import numpy as np
 
 from lookup_decode.config import LookupConfig, check_k, check_match
 from lookup_decode.cost import CostCurve
-from lookup_decode.draft import Draft
+from lookup_decode.draft import Draft, kept_prefix
 from lookup_decode.index import SuffixIndex
 from lookup_decode.memory import Memory, References
 from lookup_decode.policy import DraftPolicy
@@ -71,6 +71,9 @@ class Settings:
         engine's tokenizer).
     max_index_bytes: bound on the bytes of all per-request indexes together.
     idle_steps: a request absent from the batch for this many steps is retired.
+    save_every: memory_save is written after this many outputs were stored.
+    reload_every: every this many steps, the memory files are read again and their new entries added
+        (what other replicas saved since); 0: only at start.
     eos: token ids a draft never contains (default: the model config's eos_token_id).
     """
     k: int | None = None
@@ -84,6 +87,7 @@ class Settings:
     max_index_bytes: int = 4 * 2**30
     idle_steps: int = 16
     save_every: int = 64
+    reload_every: int = 0
     eos: tuple[int, ...] | None = None
 
     @classmethod
@@ -116,6 +120,8 @@ class Settings:
         for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if self.reload_every < 0:
+            raise ValueError(f"{ENV_PREFIX}RELOAD_EVERY must be >= 0, got {self.reload_every}")
         if not self.draft_cost >= 0:
             raise ValueError(f"{ENV_PREFIX}DRAFT_COST must be >= 0, got {self.draft_cost}")
 
@@ -131,6 +137,8 @@ def _parse(name: str, value):
             items = value.split(",") if isinstance(value, str) else value
             return tuple(int(v) for v in items)
         if name == "draft_cost":
+            if isinstance(value, bool):
+                raise ValueError(value)
             return float(value)
         if name == "k" and value in (None, ""):
             return None
@@ -252,8 +260,12 @@ class LookupDrafter:
             raise ValueError(f"{ENV_PREFIX}K must be >= 1, got {settings.k}")
         self.max_model_len = max_model_len
         self.eos = tuple(eos)
-        # The policy's price of a step drafting d tokens, relative to one without drafts: linear.
-        self.cost = CostCurve([1, self.k + 1], [1.0, 1.0 + settings.draft_cost * self.k], self.k + 1)
+        # The policy's price of a step drafting d tokens, relative to one without drafts: linear. A flat
+        # price (draft_cost 0) makes the longest draft best whatever was learned (E[emitted | d] grows with
+        # d), which is the policy without a cost: it skips the per-width pricing.
+        self.cost = (CostCurve([1, self.k + 1], [1.0, 1.0 + settings.draft_cost * self.k], self.k + 1)
+                     if settings.draft_cost > 0 else None)
+        self.vocab_size = vocab_size
         self.memory = memory if memory is not None else _load_memory(settings, vocab_size)
         self.references = references if references is not None else _load_references(
             settings, vocab_size, tokenizer, tokenizer_name)
@@ -306,6 +318,8 @@ class LookupDrafter:
             self.stats.drafted += len(drafts[i])
         self.stats.rows += len(rows)
         self._retire_idle()
+        if self.settings.reload_every and self._step % self.settings.reload_every == 0:
+            self.reload_memory()
         return drafts
 
     def load_model(self, *args, **kwargs) -> None:
@@ -322,7 +336,8 @@ class LookupDrafter:
             new = np.asarray(emitted, dtype=np.int32)
             if state.full is not None:
                 state.policy.observe(state.full, new)
-                self.stats.accepted += _kept(state.full, new)
+                if len(state.full):
+                    self.stats.accepted += kept_prefix(state.full.chain, new)
             if isinstance(state.drafter, SourcesProposer):
                 before = Counter(state.drafter.accepted_from)
                 state.drafter.extend(new)
@@ -422,6 +437,19 @@ class LookupDrafter:
         self.memory.save(path)
         self._unsaved = 0
 
+    def reload_memory(self) -> int:
+        """Add the entries of the memory files (settings.memory) that this memory lacks; returns how many.
+        Files are whole (written by atomic replace), so a replica never reads one half-written."""
+        if self.memory is None:
+            return 0
+        added = 0
+        for path in [p for p in (self.settings.memory or "").split(os.pathsep) if p and Path(p).is_file()]:
+            loaded = Memory.load(path, max_tokens=self.settings.memory_tokens, vocab_size=None)
+            if self.vocab_size is not None:
+                loaded.check_vocab(self.vocab_size, "the engine's model")
+            added += sum(self.memory.add(e.tokens) for e in loaded.entries())
+        return added
+
     @property
     def live_requests(self) -> int:
         return sum(len(states) for states in self._states.values())
@@ -434,11 +462,6 @@ class LookupDrafter:
 
 def _numpy(array) -> np.ndarray:
     return array.numpy() if hasattr(array, "numpy") else np.asarray(array)
-
-
-def _kept(full: Draft, emitted: np.ndarray) -> int:
-    from lookup_decode.draft import kept_prefix
-    return kept_prefix(full.chain, emitted) if len(full) else 0
 
 
 def _estimated_bytes(n_tokens: int) -> int:
