@@ -346,6 +346,15 @@ class LookupDrafter:
                 state.drafter.extend(new)
             if len(state.index) > state.grows_at:
                 self._account(state)
+                if self._index_bytes > self.settings.max_index_bytes:
+                    # Its buffers doubled past the bound: older states go first, else this one does
+                    # (its row drafts nothing until an index fits again).
+                    self._evict(self.settings.max_index_bytes)
+                    if self._index_bytes > self.settings.max_index_bytes:
+                        self._index_bytes -= state.nbytes
+                        self.stats.evicted += 1
+                        self._remember(state)
+                        return None
             self.stats.extended += 1
             return state
         return self._build(row[:n], n - len(emitted) if len(emitted) == 1 else None)

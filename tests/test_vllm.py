@@ -272,3 +272,21 @@ def test_vllm_loads_the_drafter(clean_env):
     drafts = drafter.propose(sampled_token_ids=[[8]], num_tokens_no_spec=np.array([9]), token_ids_cpu=tokens,
                              slot_mappings=None)
     assert drafts == [[9, 5, 6, 7]]
+
+
+def test_index_bytes_stay_within_bound_when_indexes_grow():
+    """Indexes double their buffers as requests grow past 1024 tokens; the bound still holds."""
+    bound = 3 * lv._estimated_bytes(1024)             # one grown index (2 units) fits, two do not
+    drafter = lv.LookupDrafter.from_settings(lv.Settings(max_index_bytes=bound), 8, eos_token_ids=EOS)
+    rng = np.random.default_rng(3)
+    requests = []
+    for _ in range(3):
+        prompt = rng.integers(3, 40, size=1000).astype(np.int32)
+        requests.append(SimRequest(prompt, np.concatenate([prompt[100:400], prompt[500:700]])))
+
+    def check(runner):
+        assert drafter.index_bytes <= bound
+
+    SimRunner(drafter, max_num_reqs=3, on_step=check).run(requests)
+    assert drafter.stats.evicted + drafter.stats.refused > 0      # guard: the bound was hit
+    assert drafter.stats.accepted > 100                           # and drafting went on where an index fit
