@@ -64,7 +64,8 @@ def bench_cost(batches, contexts, k: int, steps: int, seed: int = 0) -> list[dic
             max_len = T + 2 * (steps + 2) + k + 1
             tokens = _rows(rng, B, T, max_len - T)
             counts = np.full(B, T, np.int64)
-            ours = LookupDrafter.from_settings(Settings(draft_cost=0.0), k, max_model_len=max_len)
+            ours = LookupDrafter.from_settings(Settings(draft_cost=0.0, max_index_bytes=16 * 2**30), k,
+                                              max_model_len=max_len)   # every row indexed, as vLLM's scans every row
             ngram = VllmNgramProposer(k, max_len, max_num_seqs=B)
             sampled = [[int(tokens[i, T - 1])] for i in range(B)]
             t = time.perf_counter()
