@@ -56,7 +56,7 @@ def _rows(rng, B: int, T: int, extra: int) -> np.ndarray:
     return rows
 
 
-def bench_cost(batches, contexts, k: int, steps: int, seed: int = 0) -> list[dict]:
+def bench_cost(batches, contexts, k: int, steps: int, draft_cost: float = 0.0, seed: int = 0) -> list[dict]:
     out = []
     for T in contexts:
         for B in batches:
@@ -64,7 +64,7 @@ def bench_cost(batches, contexts, k: int, steps: int, seed: int = 0) -> list[dic
             max_len = T + 2 * (steps + 2) + k + 1
             tokens = _rows(rng, B, T, max_len - T)
             counts = np.full(B, T, np.int64)
-            ours = LookupDrafter.from_settings(Settings(draft_cost=0.0, max_index_bytes=16 * 2**30), k,
+            ours = LookupDrafter.from_settings(Settings(draft_cost=draft_cost, max_index_bytes=16 * 2**30), k,
                                               max_model_len=max_len)   # every row indexed, as vLLM's scans every row
             ngram = VllmNgramProposer(k, max_len, max_num_seqs=B)
             sampled = [[int(tokens[i, T - 1])] for i in range(B)]
@@ -82,7 +82,8 @@ def bench_cost(batches, contexts, k: int, steps: int, seed: int = 0) -> list[dic
                     drafts = proposer.propose(sampled, counts, tokens)
                     times[name].append(time.perf_counter() - t)
                     drafted[name] += sum(map(len, drafts))
-            row = {"context": T, "batch": B, "k": k, "steps": steps, "lookup_decode_build_s": build_s,
+            row = {"context": T, "batch": B, "k": k, "steps": steps, "draft_cost": draft_cost,
+                   "lookup_decode_build_s": build_s,
                    "index_bytes": ours.index_bytes}
             for name, ts in times.items():
                 row[f"{name}_ms_per_step"] = 1e3 * float(np.median(ts))
@@ -100,7 +101,8 @@ def cost_markdown(rows, command) -> str:
              f"Command: `{command}`  ", MACHINE_NOTE + "  ",
              "Median over the timed steps; each step appends 2 tokens to every row, then each proposer drafts "
              "for the whole batch (k = {}). lookup_decode indexed each row once before (build column, not in "
-             "the per-step time).".format(rows[0]["k"]), "",
+             "the per-step time); its draft_cost: {} (0: every proposed token drafted, as vLLM's n-gram does, and "
+             "the policy has nothing to price or learn).".format(rows[0]["k"], rows[0]["draft_cost"]), "",
              "| context | batch | vLLM n-gram ms/step | lookup_decode ms/step | n-gram / lookup_decode | "
              "lookup_decode µs/row | one-time index build s | index MB |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -279,9 +281,9 @@ def bench_replicas(workloads, limit: int, k: int, replicas: int = 4, seed: int =
     return out
 
 
-def replicas_markdown(result, command) -> str:
+def replicas_markdown(result, command, k: int) -> str:
     lines = ["# Four replicas sharing memory files vs four isolated replicas (offline replay)", "",
-             f"Command: `{command}`  ",
+             f"Command: `{command}`  K = {k}.  ",
              "Each request goes to one of 4 replicas at random. Shared: every replica loads all four replicas' "
              "memory files and writes its own (LOOKUP_DECODE_MEMORY / LOOKUP_DECODE_MEMORY_SAVE), reloading between "
              "turns. Isolated: one in-process memory per replica. Tokens per step of the scored steps (bonus "
@@ -305,6 +307,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sets", nargs="+", default=None)
     ap.add_argument("--workloads", nargs="+", default=["mt_redundant_history", "mt_redundant_stateless", "rerun"])
     ap.add_argument("--limit", type=int, default=40)
+    ap.add_argument("--draft-cost", type=float, default=0.0, help="cost: lookup_decode's LOOKUP_DECODE_DRAFT_COST")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     import sys
@@ -312,9 +315,11 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     if args.what == "cost":
-        rows = bench_cost(args.batches, args.contexts, (args.k or [8])[0], args.steps)
-        (args.out / "cost.json").write_text(json.dumps({"command": command, "environment": env, "rows": rows}, indent=1))
-        (args.out / "cost.md").write_text(cost_markdown(rows, command))
+        rows = bench_cost(args.batches, args.contexts, (args.k or [8])[0], args.steps, args.draft_cost)
+        name = "cost" if args.draft_cost == 0 else f"cost_draft_cost_{args.draft_cost:g}"
+        (args.out / f"{name}.json").write_text(json.dumps({"command": command, "environment": env, "rows": rows},
+                                                          indent=1))
+        (args.out / f"{name}.md").write_text(cost_markdown(rows, command))
     elif args.what == "replay":
         from benchmarks.replay import SETS
         result = bench_replay(args.sets or SETS, args.k or [4, 8, 16], args.limit)
@@ -322,10 +327,11 @@ def main(argv=None) -> None:
                                                          indent=1))
         (args.out / "replay.md").write_text(replay_markdown(result, command))
     else:
-        result = bench_replicas(args.workloads, args.limit, (args.k or [16])[0])
+        k = (args.k or [16])[0]
+        result = bench_replicas(args.workloads, args.limit, k)
         (args.out / "replicas.json").write_text(json.dumps({"command": command, "environment": env, "result": result},
                                                            indent=1))
-        (args.out / "replicas.md").write_text(replicas_markdown(result, command))
+        (args.out / "replicas.md").write_text(replicas_markdown(result, command, k))
 
 
 if __name__ == "__main__":

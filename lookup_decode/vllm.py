@@ -314,7 +314,7 @@ class LookupDrafter:
             full = state.drafter.propose(limit)
             n = state.policy.choose([full]) - 1
             state.full = full
-            drafts[i] = full.cut(n).tokens.tolist()
+            drafts[i] = (full.tokens if n >= len(full) else full.cut(n).tokens).tolist()
             self.stats.drafted += len(drafts[i])
         self.stats.rows += len(rows)
         self._retire_idle()
@@ -335,7 +335,8 @@ class LookupDrafter:
                 del self._states[key]
             new = np.asarray(emitted, dtype=np.int32)
             if state.full is not None:
-                state.policy.observe(state.full, new)
+                if self.cost is not None:       # without a cost the policy never reads what it learns
+                    state.policy.observe(state.full, new)
                 if len(state.full):
                     self.stats.accepted += kept_prefix(state.full.chain, new)
             if isinstance(state.drafter, SourcesProposer):
