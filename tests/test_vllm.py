@@ -290,3 +290,26 @@ def test_index_bytes_stay_within_bound_when_indexes_grow():
     SimRunner(drafter, max_num_reqs=3, on_step=check).run(requests)
     assert drafter.stats.evicted + drafter.stats.refused > 0      # guard: the bound was hit
     assert drafter.stats.accepted > 100                           # and drafting went on where an index fit
+
+
+def test_benchmark_ngram_proposer_follows_vllm_rule():
+    """The benchmark's re-implementation of vLLM's n-gram scan equals a brute force of vLLM's rule."""
+    from benchmarks.baselines import VllmNgram
+    from benchmarks.vllm_ngram import VllmNgramProposer, ngram_draft
+    out = np.zeros(8, np.int32)
+    d = ngram_draft(np.array([1, 2, 3, 4, 2, 3], np.int32), 2, 3, 100, 4, out)
+    assert out[:d].tolist() == [4, 2, 3]                  # vLLM's docstring example
+    rng = np.random.default_rng(0)
+    drafted = 0
+    for _ in range(500):
+        tokens = rng.integers(0, 3, size=int(rng.integers(1, 60))).astype(np.int32)
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 6))
+        d = ngram_draft(tokens, min_n, max_n, 10**6, k, out)
+        assert out[:d].tolist() == VllmNgram(tokens, k=k, min_n=min_n, max_n=max_n).propose(k).tokens.tolist()
+        drafted += d
+    assert drafted > 500
+    proposer = VllmNgramProposer(4, 64, min_n=2, max_n=3)
+    rows = np.zeros((2, 64), np.int32)
+    rows[1, :6] = [1, 2, 3, 4, 2, 3]
+    assert proposer.propose([[], [3]], np.array([0, 6]), rows) == [[], [4, 2, 3]]
