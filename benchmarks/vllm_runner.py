@@ -1,0 +1,153 @@
+"""A CPU simulation of how vLLM's v1 GPU model runner drives a `custom_class` drafter, with the model
+replaced by known continuations (greedy: the target emits the accepted prefix of the draft, then the
+true next token).
+
+What it reproduces of vLLM (read from vllm/v1/worker/gpu_input_batch.py and gpu_model_runner.py):
+* a persistent batch: `token_ids_cpu` int32 [max_num_reqs, max_model_len] and `num_tokens_no_spec`
+  int [max_num_reqs]; a joining request takes the lowest free row and its prompt is written in whole;
+* chunked prefill: while a prompt is only partly computed its row's sampled tokens are `[]`;
+* bookkeeping before drafting: the tokens sampled this step are written into the row and
+  `num_tokens_no_spec` advanced, then `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+  slot_mappings=...)` is called, positionally as the runner does;
+* rows that move: finished requests leave at the next step and the batch is condensed (the last rows
+  fill the holes); an unscheduled request leaves the batch and comes back later in another row;
+  rows may be swapped (the runner reorders decode and prefill rows);
+* the engine truncates a request's output at its max_tokens (here the end of its known continuation).
+Used by tests/test_vllm.py and the vLLM benchmarks; no vLLM needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lookup_decode.draft import kept_prefix
+
+
+@dataclass
+class SimRequest:
+    prompt: np.ndarray                 # int32 [P]
+    truth: np.ndarray                  # int32 [n]: what the target emits (greedy), n >= 1
+    chunk: int = 1 << 30               # prefill tokens per step (chunked prefill)
+    prefilled: int = 0
+    out: list = field(default_factory=list)         # tokens emitted so far
+    drafts: list = field(default_factory=list)      # the draft returned at each propose (after the first token)
+    emitted: list = field(default_factory=list)     # tokens emitted per decode step
+    draft: list = field(default_factory=list)       # the pending draft, verified at the next step
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= len(self.truth)
+
+
+class SimRunner:
+    """Drives `drafter.propose` over a persistent batch; `run(requests)` returns when all are done."""
+
+    def __init__(self, drafter, max_num_reqs: int = 16, max_model_len: int = 4096, *, seed: int = 0,
+                 p_unscheduled: float = 0.0, p_swap: float = 0.0, arrivals_per_step: int | None = None,
+                 on_step=None):
+        self.drafter = drafter
+        self.max_model_len = max_model_len
+        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens_no_spec = np.zeros(max_num_reqs, np.int64)
+        self.rows: list[SimRequest | None] = [None] * max_num_reqs
+        self.rng = np.random.default_rng(seed)
+        self.p_unscheduled, self.p_swap = p_unscheduled, p_swap
+        self.arrivals_per_step = arrivals_per_step
+        self.on_step = on_step                  # called after every propose (tests check bounds there)
+        self.steps = 0
+
+    def _add(self, req: SimRequest) -> bool:
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        if not free:
+            return False
+        i = free[0]
+        row = np.concatenate([req.prompt, np.asarray(req.out, np.int32)])
+        self.token_ids_cpu[i, : len(row)] = row
+        self.num_tokens_no_spec[i] = len(row)
+        self.rows[i] = req
+        return True
+
+    def _condense(self) -> None:
+        """vLLM's InputBatch.condense: move the last occupied rows into the holes."""
+        while True:
+            holes = [i for i, r in enumerate(self.rows) if r is None]
+            used = [i for i, r in enumerate(self.rows) if r is not None]
+            if not holes or not used or holes[0] > used[-1]:
+                return
+            h, u = holes[0], used[-1]
+            self.token_ids_cpu[h] = self.token_ids_cpu[u]
+            self.num_tokens_no_spec[h] = self.num_tokens_no_spec[u]
+            self.rows[h], self.rows[u] = self.rows[u], None
+
+    def _swap(self, a: int, b: int) -> None:
+        self.token_ids_cpu[[a, b]] = self.token_ids_cpu[[b, a]]
+        self.num_tokens_no_spec[[a, b]] = self.num_tokens_no_spec[[b, a]]
+        self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
+
+    def run(self, requests: list[SimRequest]) -> None:
+        waiting = list(requests)
+        away: list[SimRequest] = []             # unscheduled for a step; rejoin next step
+        while waiting or away or any(r is not None for r in self.rows):
+            self.steps += 1
+            # 1. Finished requests leave; unscheduled ones leave for this step; the batch is condensed.
+            for i, r in enumerate(self.rows):
+                if r is not None and r.done:
+                    self.rows[i] = None
+            back, away = away, []
+            for i, r in enumerate(self.rows):
+                if r is not None and r.prefilled == len(r.prompt) and self.rng.random() < self.p_unscheduled:
+                    self.rows[i] = None
+                    away.append(r)
+            self._condense()
+            # 2. Returning, then new requests join (lowest free rows).
+            for r in back:
+                if not self._add(r):
+                    away.append(r)
+            joined = 0
+            while waiting and (self.arrivals_per_step is None or joined < self.arrivals_per_step):
+                if not self._add(waiting[0]):
+                    break
+                waiting.pop(0)
+                joined += 1
+            used = [i for i, r in enumerate(self.rows) if r is not None]
+            if len(used) >= 2 and self.rng.random() < self.p_swap:
+                a, b = self.rng.choice(used, size=2, replace=False)
+                self._swap(int(a), int(b))
+            # 3. The forward: prefill chunks, or verify each row's pending draft against its truth.
+            B = max(used) + 1 if used else 0
+            sampled: list[list[int]] = [[] for _ in range(B)]
+            for i in used:
+                r = self.rows[i]
+                if r.prefilled < len(r.prompt):
+                    r.prefilled = min(len(r.prompt), r.prefilled + r.chunk)
+                    if r.prefilled < len(r.prompt):
+                        continue                                 # partial prefill: nothing sampled
+                    new = [int(r.truth[0])]
+                else:
+                    future = r.truth[len(r.out):]
+                    kept = kept_prefix(np.asarray(r.draft, np.int32), future)
+                    new = [int(t) for t in future[: kept + 1]]
+                    r.emitted.append(len(new))
+                new = new[: len(r.truth) - len(r.out)]          # the engine stops at max_tokens
+                c = int(self.num_tokens_no_spec[i])
+                self.token_ids_cpu[i, c: c + len(new)] = new
+                self.num_tokens_no_spec[i] = c + len(new)
+                r.out.extend(new)
+                sampled[i] = new
+            # 4. Draft for the next step.
+            if B:
+                drafts = self.drafter.propose(sampled, self.num_tokens_no_spec, self.token_ids_cpu, slot_mappings=None)
+                assert len(drafts) == B
+                for i in used:
+                    r = self.rows[i]
+                    if sampled[i]:
+                        r.draft = list(drafts[i])
+                        r.drafts.append(r.draft)
+                    else:
+                        assert drafts[i] == [], "a row without sampled tokens got a draft"
+            if self.on_step is not None:
+                self.on_step(self)
+        # The next engine step: the finished requests are gone from the batch.
+        self.drafter.propose([], self.num_tokens_no_spec, self.token_ids_cpu, slot_mappings=None)

@@ -1,0 +1,315 @@
+"""lookup_decode.vllm.LookupDrafter under a CPU simulation of vLLM's runner (benchmarks/vllm_runner.py).
+
+The drafter must give, row for row, the drafts the transformers path gives for the same token stream
+(the replay runs that path's `decode.step`), while rows move, finish, join, go unscheduled and prefill
+in chunks; and keep its memory within its bounds.
+"""
+
+import importlib.util
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from benchmarks.vllm_runner import SimRequest, SimRunner
+from lookup_decode import vllm as lv
+from lookup_decode.corpus import CorpusFileError
+from lookup_decode.index import SuffixIndex
+from lookup_decode.memory import Memory, References
+from lookup_decode.policy import DraftPolicy
+from lookup_decode.replay import replay
+from lookup_decode.sources import SourcesProposer
+
+EOS = (2,)
+
+
+def _requests(seed: int, n: int, vocab: int = 12, copy: bool = True, chunk: int = 1 << 30) -> list[SimRequest]:
+    """Prompts over a small vocabulary whose continuations copy spans of the prompt (so drafts get accepted)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        prompt = rng.integers(3, vocab, size=int(rng.integers(20, 120))).astype(np.int32)
+        pieces = []
+        while sum(map(len, pieces)) < 60:
+            if copy and rng.random() < 0.7:
+                a = int(rng.integers(0, len(prompt) - 8))
+                pieces.append(prompt[a: a + int(rng.integers(4, 20))])
+            else:
+                pieces.append(rng.integers(3, vocab, size=int(rng.integers(1, 4))).astype(np.int32))
+        out.append(SimRequest(prompt, np.concatenate(pieces).astype(np.int32), chunk=chunk))
+    return out
+
+
+class _Recording:
+    """A drafter that records every proposal of the one it wraps."""
+
+    def __init__(self, drafter):
+        self.drafter, self.fulls = drafter, []
+
+    def extend(self, tokens):
+        self.drafter.extend(tokens)
+
+    def propose(self, max_tokens):
+        self.fulls.append(self.drafter.propose(max_tokens))
+        return self.fulls[-1]
+
+
+def transformers_path(req: SimRequest, drafter_of, k: int, cost):
+    """Drafts and tokens emitted per step by the transformers path (`decode.step` in a replay) for the
+    request's stream, from the step after the prefill's token on; also each step's draft limit."""
+    drafter = _Recording(drafter_of())
+    drafter.extend(np.concatenate([req.prompt, req.truth[:1]]))
+    stats = replay(drafter, req.truth[1:], k, DraftPolicy(k, cost))
+    drafts = [f.tokens[:d].tolist() for f, d in zip(drafter.fulls, stats.draft_lengths)]
+    emitted = [a + 1 for a in stats.accepted_lengths]
+    left = len(req.truth) - 1 - np.concatenate([[0], np.cumsum(emitted)[:-1]]).astype(int)
+    return drafts, emitted, np.minimum(k, left - 1)
+
+
+def _compare(requests, drafter_of, k, cost):
+    """Assert equal drafts and emitted counts on every step where both paths could draft k tokens."""
+    compared = accepted = 0
+    for r in requests:
+        drafts, emitted, limits = transformers_path(r, drafter_of, k, cost)
+        steps = int(np.sum(limits == k))          # near the end the transformers path caps drafts at what is left
+        assert r.drafts[:steps] == drafts[:steps]
+        assert r.emitted[:steps] == emitted[:steps]
+        compared += steps
+        accepted += sum(e - 1 for e in emitted[:steps])
+    return compared, accepted
+
+
+def _drafter(k=8, settings=None, **kw):
+    return lv.LookupDrafter.from_settings(settings or lv.Settings(), k, eos_token_ids=EOS, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("draft_cost", [0.0, 0.05])
+def test_drafts_equal_transformers_path_while_rows_move(k, draft_cost):
+    requests = _requests(seed=k, n=40, chunk=32)
+    drafter = _drafter(k, lv.Settings(draft_cost=draft_cost))
+    SimRunner(drafter, max_num_reqs=8, seed=k, p_unscheduled=0.05, p_swap=0.3, arrivals_per_step=2).run(requests)
+    compared, accepted = _compare(requests, lambda: SuffixIndex(eos_token_ids=EOS), k, drafter.cost)
+    assert compared > 200 and accepted > 100          # guard: drafts were produced and accepted
+    assert drafter.stats.built == len(requests)       # every request indexed once, then only extended
+    assert drafter.stats.extended > 0 and drafter.stats.accepted > 0
+
+
+def test_drafts_equal_transformers_path_with_memory_and_references(tmp_path):
+    rng = np.random.default_rng(7)
+    requests = _requests(seed=3, n=24)
+    memory, refs = Memory(10_000), References()
+    for r in requests[:12]:                  # earlier outputs: later requests copy some of them
+        memory.add(r.truth)
+    refs.register("doc", tokens=rng.integers(3, 12, size=400))
+    k = 8
+    # idle_steps: no request retires during the run, so the memory is the same for both paths.
+    drafter = _drafter(k, lv.Settings(idle_steps=10**6), memory=memory, references=refs)
+    SimRunner(drafter, max_num_reqs=6, seed=1, p_swap=0.5, arrivals_per_step=1).run(requests)
+    corpora = [("memory", memory), ("references", refs)]
+    compared, accepted = _compare(requests, lambda: SourcesProposer(SuffixIndex(eos_token_ids=EOS), corpora,
+                                                                    eos_token_ids=EOS), k, drafter.cost)
+    assert compared > 100 and accepted > 50
+    assert drafter.stats.sources["memory"] > 0       # guard: the memory really drafted
+
+
+def test_identical_requests_in_one_batch_keep_separate_states():
+    """Two rows with equal content (parallel sampling of one prompt) each get a state and the same drafts."""
+    req = _requests(seed=5, n=1)[0]
+    twins = [SimRequest(req.prompt, req.truth), SimRequest(req.prompt.copy(), req.truth.copy())]
+    drafter = _drafter(8)
+    SimRunner(drafter, max_num_reqs=4).run(twins)
+    assert twins[0].drafts == twins[1].drafts and sum(map(len, twins[0].drafts)) > 0
+    assert drafter.stats.built == 2
+
+
+def test_partial_prefill_rows_get_no_draft_and_no_state():
+    drafter = _drafter(4)
+    tokens = np.zeros((2, 64), np.int32)
+    tokens[0, :10] = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    assert drafter.propose([[], []], np.array([10, 0]), tokens) == [[], []]
+    assert drafter.live_requests == 0
+    assert drafter.propose([[4]], np.array([10]), tokens) == [[5, 6, 3, 4]]
+
+
+def test_memory_stays_within_bounds_over_10000_requests(tmp_path):
+    bound = 40 * lv._estimated_bytes(1)                # room for 40 short requests' indexes
+    settings = lv.Settings(max_index_bytes=bound, idle_steps=4, memory_tokens=5_000,
+                           memory_save=str(tmp_path / "replica.mem"), save_every=500)
+    drafter = lv.LookupDrafter.from_settings(settings, 4, eos_token_ids=EOS)
+    peak = {"bytes": 0, "live": 0}
+
+    def check(runner):
+        assert drafter.index_bytes <= bound
+        assert drafter.memory.n_tokens <= settings.memory_tokens
+        peak["bytes"] = max(peak["bytes"], drafter.index_bytes)
+        peak["live"] = max(peak["live"], drafter.live_requests)
+
+    rng = np.random.default_rng(0)
+    requests = [SimRequest(rng.integers(3, 50, size=12).astype(np.int32), rng.integers(3, 50, size=4).astype(np.int32))
+                for _ in range(10_000)]
+    SimRunner(drafter, max_num_reqs=48, seed=0, p_unscheduled=0.02, on_step=check).run(requests)
+    assert drafter.stats.built >= 10_000 and drafter.stats.retired + drafter.stats.evicted > 9_000
+    assert drafter.stats.refused > 0                  # 48 rows, room for 40: the bound was reached
+    assert peak["bytes"] > bound // 2 and drafter.stats.stored > 9_000
+    assert Memory.load(tmp_path / "replica.mem").n_tokens > 0   # saved for other replicas
+
+
+def test_a_replica_loads_memory_saved_by_another(tmp_path):
+    """Replica A serves a request and saves its memory; replica B drafts that output for a new request."""
+    req = _requests(seed=11, n=1, copy=False)[0]
+    path = tmp_path / "shared.mem"
+    a = lv.LookupDrafter.from_settings(lv.Settings(memory_save=str(path), idle_steps=1), 8, eos_token_ids=EOS)
+    SimRunner(a, max_num_reqs=2).run([SimRequest(req.prompt, req.truth)])
+    a.flush()
+    b_settings = lv.Settings(memory=str(path))
+    lonely = SimRequest(np.array([9, 9, 9, 9], np.int32), np.concatenate([[req.truth[0]], req.truth]))
+    b = lv.LookupDrafter.from_settings(b_settings, 8, eos_token_ids=EOS)
+    SimRunner(b, max_num_reqs=2).run([lonely])
+    isolated = SimRequest(lonely.prompt, lonely.truth)
+    SimRunner(_drafter(8), max_num_reqs=2).run([isolated])
+    assert b.stats.sources["memory"] > 10
+    assert len(lonely.emitted) < len(isolated.emitted)      # fewer steps for the same tokens
+
+
+# -- construction from vLLM's config and environment -------------------------------------------------
+
+def _vllm_config(k=4, vocab=50, max_model_len=256):
+    model = SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(vocab_size=vocab, eos_token_id=2),
+                            tokenizer=None)
+    return SimpleNamespace(speculative_config=SimpleNamespace(model="lookup_decode.vllm.LookupDrafter",
+                                                              method="custom_class", num_speculative_tokens=k),
+                           model_config=model)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in [f.name for f in lv.fields(lv.Settings)] + ["config"]:
+        monkeypatch.delenv(lv.ENV_PREFIX + name.upper(), raising=False)
+    return monkeypatch
+
+
+def test_constructed_from_vllm_config_and_environment(clean_env, tmp_path):
+    (tmp_path / "s.json").write_text('{"k": 3, "draft_cost": 0.0}')
+    clean_env.setenv("LOOKUP_DECODE_CONFIG", str(tmp_path / "s.json"))
+    clean_env.setenv("LOOKUP_DECODE_MIN_MATCH", "2")
+    drafter = lv.LookupDrafter(_vllm_config(k=4))
+    assert drafter.k == 3 and drafter.settings.min_match == 2 and drafter.eos == (2,)
+    tokens = np.zeros((1, 256), np.int32)
+    tokens[0, :9] = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+    assert drafter.propose([[8]], np.array([9]), tokens) == [[9, 5, 6]]
+    drafter.load_model()
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_num_speculative_tokens_below_one_fails_at_construction(clean_env, k):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        lv.LookupDrafter(_vllm_config(k=k))
+
+
+def test_unreadable_memory_file_fails_at_construction(clean_env, tmp_path):
+    bad = tmp_path / "bad.mem"
+    bad.write_bytes(b"not a memory file")
+    clean_env.setenv("LOOKUP_DECODE_MEMORY", str(bad))
+    with pytest.raises(CorpusFileError):
+        lv.LookupDrafter(_vllm_config())
+    clean_env.setenv("LOOKUP_DECODE_MEMORY", str(tmp_path / "missing.mem"))
+    with pytest.raises(FileNotFoundError):
+        lv.LookupDrafter(_vllm_config())
+
+
+def test_unreadable_references_fail_at_construction(clean_env, tmp_path):
+    clean_env.setenv("LOOKUP_DECODE_REFERENCES", str(tmp_path / "nothing_here"))
+    with pytest.raises(FileNotFoundError):
+        lv.LookupDrafter(_vllm_config())
+    (tmp_path / "refs").mkdir()
+    (tmp_path / "refs" / "a.txt").write_text("some text")
+    clean_env.setenv("LOOKUP_DECODE_REFERENCES", str(tmp_path / "refs"))
+    with pytest.raises(ValueError, match="tokenizer"):       # text without a tokenizer named in the config
+        lv.LookupDrafter(_vllm_config())
+
+
+def test_memory_of_another_vocabulary_fails_at_construction(clean_env, tmp_path):
+    memory = Memory(1000)
+    memory.add([3, 4, 5, 70])
+    memory.save(tmp_path / "big_vocab.mem")
+    clean_env.setenv("LOOKUP_DECODE_MEMORY", str(tmp_path / "big_vocab.mem"))
+    with pytest.raises(ValueError, match="vocabulary"):
+        lv.LookupDrafter(_vllm_config(vocab=50))
+    assert lv.LookupDrafter(_vllm_config(vocab=100)).memory.n_tokens == 4
+
+
+def test_bad_settings_fail_at_construction(clean_env, tmp_path):
+    clean_env.setenv("LOOKUP_DECODE_K", "many")
+    with pytest.raises(ValueError, match="LOOKUP_DECODE_K"):
+        lv.LookupDrafter(_vllm_config())
+    clean_env.delenv("LOOKUP_DECODE_K")
+    (tmp_path / "s.json").write_text('{"kk": 3}')
+    clean_env.setenv("LOOKUP_DECODE_CONFIG", str(tmp_path / "s.json"))
+    with pytest.raises(ValueError, match="unknown settings"):
+        lv.LookupDrafter(_vllm_config())
+
+
+def test_fingerprints_tell_rows_apart_by_length_and_sampled_positions():
+    tokens = np.array([[5, 6, 7, 8] + [0] * 60, [5, 6, 7, 9] + [0] * 60], np.int32)
+    f = lv.fingerprints(tokens, np.array([0, 1, 0, 1]), np.array([3, 3, 4, 4]))
+    assert f[0] == f[1] and f[2] != f[3] and f[0] != f[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (its builds need CUDA)")
+def test_vllm_loads_the_drafter(clean_env):
+    """The way vLLM's own test builds a custom proposer: a SimpleNamespace config."""
+    from vllm.v1.spec_decode import custom_class_proposer as ccp
+    config = _vllm_config(k=4)
+    if hasattr(ccp, "create_custom_proposer"):            # class path in speculative_config.model
+        drafter = ccp.create_custom_proposer(config)
+        assert isinstance(drafter, lv.LookupDrafter)
+    else:                                                 # older form: custom_proposer_backend, wrapped
+        config.speculative_config.custom_proposer_backend = "lookup_decode.vllm.LookupDrafter"
+        drafter = ccp.CustomClassProposer(config)
+    tokens = np.zeros((1, 256), np.int32)
+    tokens[0, :9] = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+    drafts = drafter.propose(sampled_token_ids=[[8]], num_tokens_no_spec=np.array([9]), token_ids_cpu=tokens,
+                             slot_mappings=None)
+    assert drafts == [[9, 5, 6, 7]]
+
+
+def test_index_bytes_stay_within_bound_when_indexes_grow():
+    """Indexes double their buffers as requests grow past 1024 tokens; the bound still holds."""
+    bound = 3 * lv._estimated_bytes(1024)             # one grown index (2 units) fits, two do not
+    drafter = lv.LookupDrafter.from_settings(lv.Settings(max_index_bytes=bound), 8, eos_token_ids=EOS)
+    rng = np.random.default_rng(3)
+    requests = []
+    for _ in range(3):
+        prompt = rng.integers(3, 40, size=1000).astype(np.int32)
+        requests.append(SimRequest(prompt, np.concatenate([prompt[100:400], prompt[500:700]])))
+
+    def check(runner):
+        assert drafter.index_bytes <= bound
+
+    SimRunner(drafter, max_num_reqs=3, on_step=check).run(requests)
+    assert drafter.stats.evicted + drafter.stats.refused > 0      # guard: the bound was hit
+    assert drafter.stats.accepted > 100                           # and drafting went on where an index fit
+
+
+def test_benchmark_ngram_proposer_follows_vllm_rule():
+    """The benchmark's re-implementation of vLLM's n-gram scan equals a brute force of vLLM's rule."""
+    from benchmarks.baselines import VllmNgram
+    from benchmarks.vllm_ngram import VllmNgramProposer, ngram_draft
+    out = np.zeros(8, np.int32)
+    d = ngram_draft(np.array([1, 2, 3, 4, 2, 3], np.int32), 2, 3, 100, 4, out)
+    assert out[:d].tolist() == [4, 2, 3]                  # vLLM's docstring example
+    rng = np.random.default_rng(0)
+    drafted = 0
+    for _ in range(500):
+        tokens = rng.integers(0, 3, size=int(rng.integers(1, 60))).astype(np.int32)
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 6))
+        d = ngram_draft(tokens, min_n, max_n, 10**6, k, out)
+        assert out[:d].tolist() == VllmNgram(tokens, k=k, min_n=min_n, max_n=max_n).propose(k).tokens.tolist()
+        drafted += d
+    assert drafted > 500
+    proposer = VllmNgramProposer(4, 64, min_n=2, max_n=3)
+    rows = np.zeros((2, 64), np.int32)
+    rows[1, :6] = [1, 2, 3, 4, 2, 3]
+    assert proposer.propose([[], [3]], np.array([0, 6]), rows) == [[], [4, 2, 3]]
