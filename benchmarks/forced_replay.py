@@ -270,6 +270,10 @@ def main(argv=None) -> int:
     pairs = load_pairs(Path(args.pairs), args.sets, args.limit)
     if args.max_new:
         pairs = {n: [(p, o[: args.max_new]) for p, o in ps] for n, ps in pairs.items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(device=args.device)
+    tag = "_".join(s.replace("/", "-") for s in args.shapes) + f"_{args.device}"
     results = {}
     for shape in args.shapes:
         model = build(shape, getattr(torch, args.dtype), args.device)
@@ -278,13 +282,14 @@ def main(argv=None) -> int:
                                        progress=lambda n, per: print(n, {m: round(v["seconds"], 2) for m, v in per.items()},
                                                                      flush=True))
         del model
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment(device=args.device)
-    tag = "_".join(s.replace("/", "-") for s in args.shapes) + f"_{args.device}"
-    (out / f"{tag}.json").write_text(json.dumps({"environment": env, "args": vars(args), "results": results}, indent=1))
-    md = markdown(results, f"$ {command_line()}\n\n{args.device}, {args.dtype}; k={args.k}, tree width {args.tree_width}")
-    (out / f"{tag}.md").write_text(md + "\n")
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        # Written after every shape: a run cut short by a time limit keeps what it finished.
+        (out / f"{tag}.json").write_text(json.dumps({"environment": env, "args": vars(args), "results": results},
+                                                    indent=1))
+        md = markdown(results, f"$ {command_line()}\n\n{args.device}, {args.dtype}; k={args.k}, "
+                               f"tree width {args.tree_width}")
+        (out / f"{tag}.md").write_text(md + "\n")
     print(md)
     return 0
 

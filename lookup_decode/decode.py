@@ -158,6 +158,8 @@ def decode(rows: Rows, forward, drafters, policy, *, prompt_mask: torch.Tensor |
 
     while rows.active:
         step(rows, forward, drafters, policy, stopping_criteria, stats, streamer, record)
+    if adaptive and forward.learns_cost:       # the refined curve outlives the process (cost.DiskCache)
+        costs.save(forward.model, policy.cost)
 
     # Every field adds up, so one DecodeStats can collect several calls.
     stats.prompt_tokens += int(mask.sum())
