@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-context", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; the least host time is kept")
+    ap.add_argument("--samplings", nargs="+", default=["greedy", "t0.7_p0.95"])
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
     model.model.layers = model.model.layers[:1]
     model.config.num_hidden_layers = 1
     samplings = {"greedy": dict(do_sample=False), "t0.7_p0.95": dict(do_sample=True, temperature=0.7, top_p=0.95)}
+    samplings = {name: samplings[name] for name in args.samplings}
     cases = [(1, c) for c in args.contexts] + [(b, args.batch_context) for b in args.batches]
     forced = Forced(model)
     rows = []

@@ -82,7 +82,7 @@ def commit(rows: Rows, verified, drafters, stopping_criteria, streamer=None, rec
             record.logits.extend(logits[j: j + 1] for j in range(n))
         if streamer is not None:
             streamer.put(rows.ids[b, c: c + n].cpu())
-        drafters[b].extend(rows.ids[b, c: c + n])
+        drafters[b].extend(emitted[:n])          # the same tokens, already on the host (verify.accept_*)
         rows.cur[b] = c + n
         if stop_at is None and rows.room(b) >= 0:
             alive.append(i)

@@ -25,7 +25,7 @@ import torch
 
 from lookup_decode.cache import cache_argument, compact, crop, keep_tree_path, start_rollback
 from lookup_decode.cost import timed
-from lookup_decode.draft import EMPTY
+from lookup_decode.draft import EMPTY, kept_prefix
 from lookup_decode.policy import BUCKETS
 from lookup_decode.verify import Processors, Rules, verify_row, verify_tree
 
@@ -193,6 +193,14 @@ class BatchForward(_Model):
         new_valid = cols[None, :] <= n_draft[:, None]                      # [A, w]: padding columns are masked
         logits = self(x, torch.cat([self.mask, new_valid], 1), self.positions[:, None] + cols, w)
         self._width = w
+        if not self.do_sample and not self.processors:
+            # Greedy: every row's targets cross to the host in one transfer; acceptance runs there.
+            targets = logits.argmax(-1).cpu()                                  # long [A, w]
+            out = []
+            for i, d in enumerate(drafts):
+                kept = kept_prefix(d.tokens, targets[i, : len(d)].numpy())
+                out.append((targets[i, : kept + 1], logits[i, : len(d) + 1], logits[i, : len(d) + 1]))
+            return out
         scored = [None] * len(drafts)
         if self.processors.at_once and not self.processors.per_row:
             # Prefix-free processors (temperature, top-k/p, min-p): one call over every row's verified

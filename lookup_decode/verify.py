@@ -23,10 +23,11 @@ def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """draft: long [n]; scores: float [n + 1, V]. Returns long [m + 1], m = drafts kept.
 
     Keeps the longest prefix of the draft equal to the target argmax, then the argmax after it,
-    so the emitted tokens are exactly what one-token-at-a-time greedy decoding produces.
+    so the emitted tokens are exactly what one-token-at-a-time greedy decoding produces. The n + 1
+    target tokens cross to the host in one transfer and are compared there: the result is on the CPU.
     """
-    target = scores.argmax(-1)                                   # [n + 1]
-    agree = (target[:-1] == draft).to(torch.int64).cumprod(0)     # 1 until the first disagreement
+    target = scores.argmax(-1).cpu()                             # [n + 1]
+    agree = (target[:-1] == draft.cpu()).to(torch.int64).cumprod(0)   # 1 until the first disagreement
     n_kept = int(agree.sum())
     return target[: n_kept + 1]
 
@@ -54,8 +55,8 @@ def accept_sampled(draft: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) ->
     Uniforms are float64: a float32 draw has visible steps and can be exactly 0.
     """
     n = draft.numel()
-    x = sample_rows(probs, u)
-    n_kept = int((x[:n] == draft).to(torch.int64).cumprod(0).sum())
+    x = sample_rows(probs, u).cpu()                                  # one transfer; compared on the host
+    n_kept = int((x[:n] == draft.cpu()).to(torch.int64).cumprod(0).sum())
     return x[: n_kept + 1]
 
 
@@ -223,9 +224,10 @@ def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor,
         probs = torch.softmax(scores, dim=-1)
         return rules.draft_probs(tokens, probs, draft.probs[:n].to(probs.device), generator), scores
     if not procs:                                        # nothing to run per row: decide all rows at once
+        host_tokens = torch.from_numpy(draft.tokens).to(torch.long)   # compared on the host (accept_*)
         if uniforms is None:
-            return accept_greedy(tokens, logits), logits
-        return accept_sampled(tokens, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
+            return accept_greedy(host_tokens, logits), logits
+        return accept_sampled(host_tokens, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
     emitted, rows = rules.row_by_row(tokens, row, uniforms)
     return emitted, torch.cat(rows)
 
