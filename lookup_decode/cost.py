@@ -41,7 +41,7 @@ EMA = 0.2
 # Forward sizes (tokens per row) timed when calibrating; costs in between are interpolated.
 SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64)
 MIN_CALIBRATED = 33     # calibrate at least this far, so a later call with a larger k reuses the curve
-# Sizes a cold start times (3 forwards after the prefill): the prior's shape is corrected at these and in between.
+# Sizes a cold start times (twice each: 6 forwards after the prefill): the prior's shape is corrected at these and in between.
 QUICK_SIZES = (1, 8, MIN_CALIBRATED)
 CACHE_ENV = "LOOKUP_DECODE_COST_CACHE"
 SAVE_EVERY = 64         # steps a live curve observes between two writes of it to the disk cache
@@ -159,10 +159,11 @@ def quick_curve(seconds_of: Callable[[int], float], max_n: int, prior: np.ndarra
     """
     allowed = sorted(s for s in (sizes or range(1, max_n + 1)) if s <= max_n)
     grid = sorted({allowed[0], allowed[-1], min(allowed, key=lambda s: abs(s - QUICK_SIZES[1]))})
-    # Largest first (its allocations serve the smaller ones); the smallest twice, least kept: every
-    # ratio the policy weighs is against it, and noise only ever adds time.
+    # Largest first (its allocations serve the smaller ones); each size twice, the least kept: noise only
+    # ever adds time, and one slow reading would price a whole range of drafts out for good (the policy
+    # only re-measures the sizes it uses).
     measured = {n: seconds_of(n) for n in reversed(grid)}
-    measured[grid[0]] = min(measured[grid[0]], seconds_of(grid[0]))
+    measured = {n: min(measured[n], seconds_of(n)) for n in reversed(grid)}
     ratio = np.interp(np.arange(max_n + 1), grid, np.array([measured[n] for n in grid]) / prior[grid])
     return CostCurve(np.arange(1, max_n + 1), (prior * ratio)[1:], max_n)
 

@@ -22,7 +22,7 @@ def test_quick_curve_times_three_sizes_and_matches_them():
     prior = prior_seconds({"params": 10**6, "bytes_per_param": 4, "layers": 2, "vocab": 96, "device": "cpu"},
                           np.arange(34))
     curve = quick_curve(linear(calls), 33, prior)
-    assert sorted(set(calls)) == sorted(QUICK_SIZES) and len(calls) == 4     # the smallest twice
+    assert sorted(set(calls)) == sorted(QUICK_SIZES) and len(calls) == 2 * len(QUICK_SIZES)
     for n in QUICK_SIZES:
         assert curve(n) == pytest.approx(1.0 + 0.5 * n)
     assert curve.max_n == 33
@@ -119,5 +119,5 @@ def test_second_process_pays_no_calibration_forwards(tiny_llama, tmp_path):
     finally:
         handle.remove()
     assert outs[0].tolist() == outs[1].tolist()
-    assert extra == [len(QUICK_SIZES) + 1, 0]
+    assert extra == [2 * len(QUICK_SIZES), 0]
     assert isinstance(CostModel(tmp_path).curve(tiny_llama, 33, None), CostCurve)
