@@ -65,8 +65,8 @@ def host_us(model, ids, mask, new: int, method: str, sampling: dict) -> dict:
     finally:
         timer.remove()
     B = ids.shape[0]
-    # Plain: one step per token (the prefill is a step of its own in both counts).
-    steps = stats.steps + 1 if method != "plain" else timer.calls
+    # One forward per step (the prefill counts as one in both); the cost calibration ran in a warm-up call.
+    steps = timer.calls
     host = total - timer.seconds
     return {"total_s": total, "forward_s": timer.seconds, "host_s": host, "steps": steps, "forwards": timer.calls,
             "new_tokens": int(out.shape[1] - ids.shape[1]), "host_us_per_step": 1e6 * host / steps,
@@ -116,6 +116,9 @@ def main(argv=None) -> int:
                 forced.handle.remove()
             for name, sampling in samplings.items():
                 best = {}
+                # Untimed warm-up of both (allocations; lookup_decode's cost calibration for this batch size).
+                for method in ("plain", "lookup_decode"):
+                    host_us(model, ids, mask, 4, method, sampling)
                 for _ in range(args.repeats):
                     for method in ("plain", "lookup_decode"):
                         r = host_us(model, ids, mask, args.new, method, sampling)
