@@ -34,24 +34,28 @@ fi
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
     COSTS=(--shapes tiny --contexts 64 --sizes 1 4 --repeats 1 --dtype float32 --device cpu --backend eager)
-    REPLAY=(--shapes tiny --sets cnn_dm code_edit --limit 1 --max-new 24 --dtype float32 --device cpu)
-    REPLAY_MISTRAL=(--shapes tiny --sets cnn_dm --limit 1 --max-new 16 --dtype float32 --device cpu
+    REPLAY_1B=(--shapes tiny --sets cnn_dm code_edit --limit 1 --max-new 24 --dtype float32 --device cpu)
+    REPLAY_8B=(--shapes tiny/2 --sets code_edit --limit 1 --max-new 16 --dtype float32 --device cpu
+               --methods plain lookup_decode)
+    REPLAY_MISTRAL=(--shapes tiny/4 --sets cnn_dm --limit 1 --max-new 16 --dtype float32 --device cpu
                     --methods plain lookup_decode)
-    T_COSTS=600; T_REPLAY=600; T_MISTRAL=600
+    T_COSTS=600; T_1B=600; T_8B=600; T_MISTRAL=600
 else
     COSTS=(--shapes llama-3.2-1b llama-3.1-8b --contexts 1024 8192 --sizes 1 2 4 8 12 16 24 32 48 64 96 128
-           --repeats 5 --dtype bfloat16 --device cuda --static-budget-s 35)
-    REPLAY=(--shapes llama-3.2-1b llama-3.1-8b --sets cnn_dm code_edit hagrid editeval --limit 2 --max-new 256
-            --dtype bfloat16 --device cuda)
+           --repeats 5 --dtype bfloat16 --device cuda --static-budget-s 30)
+    REPLAY_1B=(--shapes llama-3.2-1b --sets cnn_dm code_edit hagrid editeval --limit 2 --max-new 256
+               --dtype bfloat16 --device cuda)
+    REPLAY_8B=(--shapes llama-3.1-8b --sets cnn_dm code_edit --limit 1 --max-new 256 --dtype bfloat16 --device cuda)
     REPLAY_MISTRAL=(--shapes mistral-7b --sets cnn_dm --limit 3 --max-new 256 --dtype bfloat16 --device cuda)
-    T_COSTS=210; T_REPLAY=170; T_MISTRAL=80
+    T_COSTS=180; T_1B=110; T_8B=90; T_MISTRAL=70        # 450 s in all, under the 8-minute slot
 fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT_DIR/gpu.txt" 2>/dev/null || true
 status=0
 # Each part has its own time limit (the sum stays under 8 minutes); each writes as it goes.
 timeout "$T_COSTS" python -m benchmarks.gpu_costs "${COSTS[@]}" --out "$OUT_DIR" || status=$?
-timeout "$T_REPLAY" python -m benchmarks.forced_replay "${REPLAY[@]}" --out "$OUT_DIR" || status=$?
+timeout "$T_1B" python -m benchmarks.forced_replay "${REPLAY_1B[@]}" --out "$OUT_DIR" || status=$?
+timeout "$T_8B" python -m benchmarks.forced_replay "${REPLAY_8B[@]}" --out "$OUT_DIR" || status=$?
 timeout "$T_MISTRAL" python -m benchmarks.forced_replay "${REPLAY_MISTRAL[@]}" --out "$OUT_DIR" || status=$?
 ls -l "$OUT_DIR"
 exit $status
