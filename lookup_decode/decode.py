@@ -82,7 +82,7 @@ def commit(rows: Rows, verified, drafters, stopping_criteria, streamer=None, rec
             record.logits.extend(logits[j: j + 1] for j in range(n))
         if streamer is not None:
             streamer.put(rows.ids[b, c: c + n].cpu())
-        drafters[b].extend(rows.ids[b, c: c + n])
+        drafters[b].extend(emitted[:n])          # the same tokens, already on the host (verify.accept_*)
         rows.cur[b] = c + n
         if stop_at is None and rows.room(b) >= 0:
             alive.append(i)
@@ -158,6 +158,8 @@ def decode(rows: Rows, forward, drafters, policy, *, prompt_mask: torch.Tensor |
 
     while rows.active:
         step(rows, forward, drafters, policy, stopping_criteria, stats, streamer, record)
+    if adaptive and forward.learns_cost:       # the refined curve outlives the process (cost.DiskCache)
+        costs.save(forward.model, policy.cost)
 
     # Every field adds up, so one DecodeStats can collect several calls.
     stats.prompt_tokens += int(mask.sum())

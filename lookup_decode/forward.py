@@ -25,9 +25,9 @@ import torch
 
 from lookup_decode.cache import cache_argument, compact, crop, keep_tree_path, start_rollback
 from lookup_decode.cost import timed
-from lookup_decode.draft import EMPTY
+from lookup_decode.draft import EMPTY, kept_prefix
 from lookup_decode.policy import BUCKETS
-from lookup_decode.verify import Rules, verify_row, verify_tree
+from lookup_decode.verify import Processors, Rules, verify_row, verify_tree
 
 
 class _Model:
@@ -39,7 +39,8 @@ class _Model:
         self.model, self.cache = model, cache
         self.cache_arg = cache_argument(model)
         self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.processors, self.do_sample, self.generator, self.rules = logits_processor, do_sample, generator, rules
+        self.processors, self.do_sample, self.generator, self.rules = (Processors(logits_processor), do_sample,
+                                                                       generator, rules)
 
     def logits(self, n_logits: int, **inputs) -> torch.Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True, **inputs}
@@ -47,11 +48,13 @@ class _Model:
             kwargs["logits_to_keep"] = n_logits
         return self.model(**kwargs).logits[:, -n_logits:].to(torch.float32)
 
-    def accept(self, rows, i: int, b: int, draft, logits):
-        """Verification of row b (the i-th active row): (emitted long [m + 1], score rows, raw logits rows)."""
+    def accept(self, rows, i: int, b: int, draft, logits, scored: torch.Tensor | None = None):
+        """Verification of row b (the i-th active row): (emitted long [m + 1], score rows, raw logits rows).
+        scored: the logits after the prefix-free processors, when the caller ran them for all rows at once."""
         cur = rows.cur[b]
         u = None if rows.uniforms is None else rows.uniforms[b, cur - rows.prompt_len:]
-        emitted, scores = verify_row(draft, logits, self.processors, rows.ids, b, cur, u, self.generator, self.rules)
+        emitted, scores = verify_row(draft, logits if scored is None else scored, self.processors, rows.ids, b, cur, u,
+                                     self.generator, self.rules, scored=scored is not None)
         return emitted, scores, logits
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -190,7 +193,22 @@ class BatchForward(_Model):
         new_valid = cols[None, :] <= n_draft[:, None]                      # [A, w]: padding columns are masked
         logits = self(x, torch.cat([self.mask, new_valid], 1), self.positions[:, None] + cols, w)
         self._width = w
-        return [self.accept(rows, i, b, d, logits[i, : len(d) + 1]) for i, (b, d) in enumerate(zip(rows.active, drafts))]
+        if not self.do_sample and not self.processors:
+            # Greedy: every row's targets cross to the host in one transfer; acceptance runs there.
+            targets = logits.argmax(-1).cpu()                                  # long [A, w]
+            out = []
+            for i, d in enumerate(drafts):
+                kept = kept_prefix(d.tokens, targets[i, : len(d)].numpy())
+                out.append((targets[i, : kept + 1], logits[i, : len(d) + 1], logits[i, : len(d) + 1]))
+            return out
+        scored = [None] * len(drafts)
+        if self.processors.at_once and not self.processors.per_row:
+            # Prefix-free processors (temperature, top-k/p, min-p): one call over every row's verified
+            # positions (padding columns left out) instead of one per row and position.
+            flat = self.processors.tail(logits[new_valid])                # [sum(n_draft + 1), V], row-major
+            scored = list(flat.split([len(d) + 1 for d in drafts]))
+        return [self.accept(rows, i, b, d, logits[i, : len(d) + 1], scored[i])
+                for i, (b, d) in enumerate(zip(rows.active, drafts))]
 
     def rollback(self, kept: list[int]) -> None:
         """Crop the columns no row kept; columns some rows kept and others not become holes."""

@@ -23,10 +23,11 @@ def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """draft: long [n]; scores: float [n + 1, V]. Returns long [m + 1], m = drafts kept.
 
     Keeps the longest prefix of the draft equal to the target argmax, then the argmax after it,
-    so the emitted tokens are exactly what one-token-at-a-time greedy decoding produces.
+    so the emitted tokens are exactly what one-token-at-a-time greedy decoding produces. The n + 1
+    target tokens cross to the host in one transfer and are compared there: the result is on the CPU.
     """
-    target = scores.argmax(-1)                                   # [n + 1]
-    agree = (target[:-1] == draft).to(torch.int64).cumprod(0)     # 1 until the first disagreement
+    target = scores.argmax(-1).cpu()                             # [n + 1]
+    agree = (target[:-1] == draft.cpu()).to(torch.int64).cumprod(0)   # 1 until the first disagreement
     n_kept = int(agree.sum())
     return target[: n_kept + 1]
 
@@ -54,8 +55,8 @@ def accept_sampled(draft: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) ->
     Uniforms are float64: a float32 draw has visible steps and can be exactly 0.
     """
     n = draft.numel()
-    x = sample_rows(probs, u)
-    n_kept = int((x[:n] == draft).to(torch.int64).cumprod(0).sum())
+    x = sample_rows(probs, u).cpu()                                  # one transfer; compared on the host
+    n_kept = int((x[:n] == draft.cpu()).to(torch.int64).cumprod(0).sum())
     return x[: n_kept + 1]
 
 
@@ -141,6 +142,45 @@ class Rules:
     tree: object = accept_tree
 
 
+# transformers' processors that read only the scores, never the prefix: one call can serve every row.
+PREFIX_FREE = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                         "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"})
+
+
+class Processors:
+    """Logits processors split in two: a head that depends on each row's prefix (repetition penalty,
+    no-repeat n-gram, ...) and run row by row, and a tail of prefix-free ones (temperature, top-k, top-p,
+    min-p) that run on every verified row of every sequence in one call. Only a *tail* is split off,
+    so the order of application is the caller's (transformers puts its warpers last).
+    Called like a LogitsProcessorList: processors(ids, scores) applies all, in order.
+    """
+
+    def __init__(self, processors=None):
+        procs = list(processors or [])
+        cut = len(procs)
+        while cut > 0 and type(procs[cut - 1]).__name__ in PREFIX_FREE:
+            cut -= 1
+        self.per_row, self.at_once = procs[:cut], procs[cut:]
+
+    def __bool__(self) -> bool:
+        return bool(self.per_row or self.at_once)
+
+    def head(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for p in self.per_row:
+            scores = p(ids, scores)
+        return scores
+
+    def tail(self, scores: torch.Tensor) -> torch.Tensor:
+        """The prefix-free processors on rows float [r, V], all at once (they never read the ids)."""
+        ids = torch.zeros((scores.shape[0], 1), dtype=torch.long, device=scores.device)
+        for p in self.at_once:
+            scores = p(ids, scores)
+        return scores
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.head(ids, scores)) if self.at_once else self.head(ids, scores)
+
+
 def processed(logits_processor, ids: torch.Tensor, b: int, length: int, logits: torch.Tensor) -> torch.Tensor:
     """Scores of row b (float [1, V]) after the logits processors, with exactly the prefix ids[b, :length].
 
@@ -155,28 +195,39 @@ def processed(logits_processor, ids: torch.Tensor, b: int, length: int, logits: 
 
 
 def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor, b: int, cur: int,
-               uniforms: torch.Tensor | None, generator=None, rules: Rules = Rules()):
+               uniforms: torch.Tensor | None, generator=None, rules: Rules = Rules(), scored: bool = False):
     """Emitted tokens (long [m + 1]) of row b and the processed score rows they came from ([>= m + 1, V]).
 
     draft: a chain `Draft` of n tokens, already written at ids[b, cur: cur + n]; logits: float [n + 1, V],
-    row i scoring the token after ids[b, :cur + i]. uniforms: None for greedy, else float64 [>= n + 1],
-    one per output position (see accept_sampled).
+    row i scoring the token after ids[b, :cur + i]. logits_processor: `Processors` (or a list of
+    processors); scored: its prefix-free tail was already applied to `logits` (a batch does all rows at
+    once; only when it has no per-row head). uniforms: None for greedy, else float64 [>= n + 1], one per
+    output position (see accept_sampled).
     """
+    procs = logits_processor if isinstance(logits_processor, Processors) else Processors(logits_processor)
     n = len(draft)
     tokens = torch.from_numpy(draft.tokens).to(device=logits.device, dtype=torch.long)
 
-    def row(i):
-        return processed(logits_processor, ids, b, cur + i, logits[i: i + 1])
+    if procs.per_row:       # prefix-dependent: each row with its own prefix, only as far as needed
+        def row(i):
+            scores = processed(procs.head, ids, b, cur + i, logits[i: i + 1])
+            return procs.tail(scores) if procs.at_once else scores
+    else:                   # prefix-free (or none): every row in one call
+        all_rows = logits if scored or not procs.at_once else procs.tail(logits)
+
+        def row(i):
+            return all_rows[i: i + 1]
 
     if uniforms is not None and draft.probs is not None and n > 0:
         # Drafts sampled from q (a draft model): the rejection rule needs p on every row.
         scores = torch.cat([row(i) for i in range(n + 1)])
         probs = torch.softmax(scores, dim=-1)
         return rules.draft_probs(tokens, probs, draft.probs[:n].to(probs.device), generator), scores
-    if not logits_processor:                             # nothing to run per row: decide all rows at once
+    if not procs:                                        # nothing to run per row: decide all rows at once
+        host_tokens = torch.from_numpy(draft.tokens).to(torch.long)   # compared on the host (accept_*)
         if uniforms is None:
-            return accept_greedy(tokens, logits), logits
-        return accept_sampled(tokens, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
+            return accept_greedy(host_tokens, logits), logits
+        return accept_sampled(host_tokens, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
     emitted, rows = rules.row_by_row(tokens, row, uniforms)
     return emitted, torch.cat(rows)
 

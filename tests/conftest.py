@@ -9,6 +9,12 @@ VOCAB = 96
 
 
 @pytest.fixture(autouse=True)
+def _cost_cache(tmp_path, monkeypatch):
+    """Measured cost curves persist on disk (cost.DiskCache): each test gets its own empty folder."""
+    monkeypatch.setenv("LOOKUP_DECODE_COST_CACHE", str(tmp_path / "cost_cache"))
+
+
+@pytest.fixture(autouse=True)
 def _threads(request):
     """One torch thread for tiny models (threading overhead dwarfs their work and another process on
     the other core makes OpenMP spin); two for the real model."""

@@ -1,0 +1,123 @@
+"""Cold start of the cost model: a shape prior corrected by a few forwards, and curves cached on disk."""
+
+import numpy as np
+import pytest
+import torch
+
+import lookup_decode
+from lookup_decode.cost import (CACHE_ENV, QUICK_SIZES, SAVE_EVERY, CostCurve, CostModel, prior_seconds, quick_curve,
+                                shape_of)
+from lookup_decode.stats import DecodeStats
+
+
+def linear(calls):
+    def seconds_of(n):
+        calls.append(n)
+        return 1.0 + 0.5 * n
+    return seconds_of
+
+
+def test_quick_curve_times_three_sizes_and_matches_them():
+    calls = []
+    prior = prior_seconds({"params": 10**6, "bytes_per_param": 4, "layers": 2, "vocab": 96, "device": "cpu"},
+                          np.arange(34))
+    curve = quick_curve(linear(calls), 33, prior)
+    assert sorted(set(calls)) == sorted(QUICK_SIZES) and len(calls) == 2 * len(QUICK_SIZES)
+    for n in QUICK_SIZES:
+        assert curve(n) == pytest.approx(1.0 + 0.5 * n)
+    assert curve.max_n == 33
+
+
+def test_quick_curve_times_only_allowed_sizes():
+    calls = []
+    curve = quick_curve(linear(calls), 33, np.linspace(1, 2, 34), sizes=[1, 2, 4, 8, 16, 32])
+    assert set(calls) == {1, 8, 32} and curve.max_n == 33
+
+
+def test_prior_is_flat_on_a_gpu_and_steep_on_a_cpu():
+    shape = {"params": 1_200_000_000, "bytes_per_param": 2, "layers": 16, "vocab": 128256}
+    gpu = prior_seconds({**shape, "device": "cuda"}, np.array([1, 33, 129]))
+    cpu = prior_seconds({**shape, "bytes_per_param": 4, "device": "cpu"}, np.array([1, 33]))
+    assert gpu[1] / gpu[0] < 1.05          # 33 tokens cost what one does
+    assert cpu[1] / cpu[0] > 3
+
+
+def test_shape_of_reads_the_config(tiny_llama):
+    s = shape_of(tiny_llama)
+    assert s["layers"] == tiny_llama.config.num_hidden_layers and s["vocab"] == tiny_llama.config.vocab_size
+    assert s["params"] == sum(p.numel() for p in tiny_llama.parameters()) and s["device"] == "cpu"
+
+
+def test_curve_is_cached_on_disk_per_model_shape(tiny_llama, tmp_path):
+    first = CostModel(tmp_path)
+    calls = []
+    curve = first.curve(tiny_llama, 33, linear(calls))
+    assert calls and len(list(tmp_path.glob("*.json"))) == 1
+
+    def never(n):
+        raise AssertionError("a cached curve must not be measured again")
+    again = CostModel(tmp_path).curve(tiny_llama, 33, never)     # a new process, say
+    assert np.allclose(again.shape, curve.shape)
+    # A different dtype is a different curve.
+    other = CostModel(tmp_path)
+    calls.clear()
+    other.curve(tiny_llama.to(torch.float64), 33, linear(calls))
+    tiny_llama.to(torch.float32)
+    assert calls
+
+
+def test_env_var_moves_the_cache_and_off_disables_it(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))
+    CostModel().curve(tiny_llama, 33, linear([]))
+    assert len(list((tmp_path / "elsewhere").glob("*.json"))) == 1
+    monkeypatch.setenv(CACHE_ENV, "off")
+    calls = []
+    CostModel().curve(tiny_llama, 33, linear(calls))
+    assert calls                       # nothing read from disk
+
+
+def test_reset_forgets_memory_and_optionally_disk(tiny_llama, tmp_path):
+    costs = CostModel(tmp_path)
+    costs.curve(tiny_llama, 33, linear([]))
+    costs.reset()
+    assert costs.known(tiny_llama) == {}
+    assert list(tmp_path.glob("*.json"))
+    costs.reset(disk=True)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_full_calibration_still_available(tiny_llama, tmp_path):
+    calls = []
+    CostModel(tmp_path, full=True).curve(tiny_llama, 33, linear(calls))
+    assert len(set(calls)) > len(QUICK_SIZES)
+
+
+def test_refined_curve_is_saved_after_enough_steps(tiny_llama, tmp_path):
+    costs = CostModel(tmp_path)
+    curve = costs.curve(tiny_llama, 33, linear([]))
+    for _ in range(SAVE_EVERY):
+        curve.observe(1, 4, 10.0)        # size 4 turns out far dearer than measured
+    costs.save(tiny_llama, curve)
+    stored = CostModel(tmp_path).curve(tiny_llama, 33, linear([]))
+    assert stored(4) == pytest.approx(curve(4)) and stored(4) > 1.0 + 0.5 * 4
+
+
+def test_second_process_pays_no_calibration_forwards(tiny_llama, tmp_path):
+    """End to end: the first call's few calibration forwards are not paid again by a new CostModel."""
+    forwards = []
+    handle = tiny_llama.register_forward_hook(lambda *a: forwards.append(1))
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]])
+    extra, outs = [], []
+    try:
+        for _ in range(2):
+            forwards.clear()
+            stats = DecodeStats()
+            hook = lookup_decode.lookup_decoding(costs=CostModel(tmp_path), stats=stats)
+            outs.append(tiny_llama.generate(prompt, max_new_tokens=20, do_sample=False, custom_generate=hook,
+                                            eos_token_id=None, pad_token_id=0))
+            extra.append(len(forwards) - stats.steps - 1)      # forwards besides the prefill and the steps
+    finally:
+        handle.remove()
+    assert outs[0].tolist() == outs[1].tolist()
+    assert extra == [2 * len(QUICK_SIZES), 0]
+    assert isinstance(CostModel(tmp_path).curve(tiny_llama, 33, None), CostCurve)

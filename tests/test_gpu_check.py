@@ -1,0 +1,64 @@
+"""The prepared GPU check (benchmarks/gpu_check.sh) on a CPU with tiny shapes, so it cannot rot."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.forced_replay import Forced, build, config_of, forced_replay, load_pairs, remap, PAIRS  # noqa: E402
+
+
+def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for name in ("costs.json", "costs.md", "costs.png", "tiny_cpu.json", "tiny_cpu.md", "tiny-2_cpu.md", "tiny-4_cpu.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert "identical" in (tmp_path / "tiny_cpu.json").read_text()
+
+
+def test_scaled_shapes_keep_the_vocabulary_and_head_layout():
+    full, small = config_of("llama-3.1-8b"), config_of("llama-3.1-8b/8")
+    assert small.vocab_size == full.vocab_size
+    assert small.num_hidden_layers == 4 and small.hidden_size == small.num_attention_heads * small.head_dim
+    assert small.num_attention_heads % small.num_key_value_heads == 0
+    assert config_of("mistral-7b").sliding_window is None
+
+
+def test_forced_logits_make_every_method_emit_the_record():
+    """The hook forces the recorded tokens whatever decodes: plain, prompt lookup, lookup_decode (chain, tree)."""
+    torch.set_num_threads(1)
+    model = build("tiny")
+    pairs = {"code_edit": [(p, o[:40]) for p, o in load_pairs(PAIRS, ["code_edit"], 1)["code_edit"]]}
+    got = forced_replay(model, remap(pairs, model.config.vocab_size))   # raises if an output differs
+    methods = got["code_edit"]["methods"]
+    assert all(m["identical"] == 1 for m in methods.values())
+    # Drafts were accepted: fewer steps than tokens (code edits copy their input).
+    assert methods["lookup_decode"]["steps"] < methods["lookup_decode"]["tokens"]
+    assert not model._forward_hooks                 # the hook is removed again
+
+
+def test_remap_is_dense_only_when_needed():
+    pairs = {"a": [(np.array([5, 70000]), np.array([70000, 5, 9]))]}
+    assert remap(pairs, 100000) is pairs
+    (p, o), = remap(pairs, 32000)["a"]
+    assert p.tolist() == [0, 1] and o.tolist() == [1, 0, 2]
+
+
+def test_forced_positions_follow_position_ids():
+    model = build("tiny")
+    forced = Forced(model)
+    try:
+        forced.set(np.array([3, 4, 5, 6, 7]), "cpu")
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([[3, 4]]), position_ids=torch.tensor([[2, 3]])).logits
+        assert logits[0].argmax(-1).tolist() == [6, 7]
+    finally:
+        forced.handle.remove()
