@@ -154,17 +154,27 @@ class CostModel:
         return str(p.device), str(p.dtype), int(rows), bool(bucketed)
 
     def curve(self, model, max_n: int, seconds_of: Callable[[int], float], *, bucketed: bool = False,
-              sizes=None) -> CostCurve:
-        """The live curve of one sequence, measured now (up to max(max_n, 33) tokens) if not yet known."""
+              sizes=None, fit: int | None = None) -> CostCurve:
+        """The live curve of one sequence, measured now (up to max(max_n, 33) tokens) if not yet known.
+
+        fit: the widest forward this call can run (its context and max_length); nothing wider is timed,
+        since a forward past a model's positions is an index error (on CUDA one that poisons the process).
+        """
+        if fit is not None:
+            max_n = min(max_n, fit)
+            sizes = None if sizes is None else [n for n in sizes if n <= fit] or [max_n]
         key = self.key(model, 1, bucketed)
         with self._lock:
             known = self._by_model.setdefault(model, {})
             if key not in known or known[key].max_n < max_n:
-                known[key] = measure_curve(seconds_of, max(max_n, MIN_CALIBRATED), sizes)
+                upto = max(max_n, MIN_CALIBRATED) if fit is None else min(max(max_n, MIN_CALIBRATED), fit)
+                known[key] = measure_curve(seconds_of, upto, sizes)
             return known[key]
 
-    def batch(self, model, rows: int, max_w: int, seconds_of: Callable[[int], float]) -> BatchCost:
-        """Relative costs of widths 1..max_w for `rows` rows, measured now if not yet known."""
+    def batch(self, model, rows: int, max_w: int, seconds_of: Callable[[int], float],
+              fit: int | None = None) -> BatchCost:
+        """Relative costs of widths 1..max_w for `rows` rows, measured now if not yet known (fit: as in curve)."""
+        max_w = max_w if fit is None else min(max_w, fit)
         key = self.key(model, rows)
         with self._lock:
             known = self._by_model.setdefault(model, {})

@@ -40,6 +40,8 @@ class _Model:
         self.cache_arg = cache_argument(model)
         self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.processors, self.do_sample, self.generator, self.rules = logits_processor, do_sample, generator, rules
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.vocab = int(head.weight.shape[0]) if head is not None else getattr(model.config, "vocab_size", None)
 
     def logits(self, n_logits: int, **inputs) -> torch.Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True, **inputs}
@@ -56,6 +58,18 @@ class _Model:
 
     def keep_rows(self, keep: list[int]) -> None:
         pass
+
+
+def widest_forward(model, rows) -> int:
+    """The most tokens per row a verify forward after the prefill can hold: cur >= P + 1 leaves at most
+    max_length - P - 1 (the step emits one more), and the positions P.. must stay inside the model's
+    context (learned position tables, e.g. GPT-2's n_positions, raise past it). At least 1."""
+    P = rows.prompt_len
+    fit = rows.max_length - P - 1
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        fit = min(fit, context - P)
+    return max(fit, 1)
 
 
 def tree_mask(draft, past: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -107,11 +121,11 @@ class SequenceForward(_Model):
             elapsed = timed(last.device, lambda: self(last.expand(1, n), 1))
             crop(self.cache, n)
             return elapsed
-        sizes = None
+        sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
             room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
             sizes = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
-        return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes)
+        return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes, fit=fit)
 
     def verify(self, rows, drafts):
         draft, cur, ids = drafts[0], rows.cur[0], rows.ids
@@ -164,7 +178,7 @@ class BatchForward(_Model):
 
     def calibrate(self, rows, costs, k: int):
         """Relative cost of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
-        last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
+        rows_, last = rows, rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
         rows = last.shape[0]
 
         def seconds_of(w):
@@ -173,7 +187,7 @@ class BatchForward(_Model):
             elapsed = timed(last.device, lambda: self(last.expand(rows, w), torch.cat([self.mask, cols], 1), pos, w))
             crop(self.cache, w)
             return elapsed
-        return costs.batch(self.model, rows, k + 1, seconds_of)
+        return costs.batch(self.model, rows, k + 1, seconds_of, fit=widest_forward(self.model, rows_))
 
     def verify(self, rows, drafts):
         device = rows.ids.device
