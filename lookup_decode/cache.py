@@ -118,6 +118,16 @@ def check_batchable(cache, model) -> None:
                                         f"{type(layer).__name__}); generate one row at a time")
 
 
+def full_attention(cache, model) -> bool:
+    """True when every layer is a full-attention DynamicLayer: the only caches a tree's 4-D mask and
+    `keep_tree_path` are exact on (a sliding window would be ignored by the mask; a conv layer would
+    read the tree's nodes as one sequence)."""
+    if isinstance(cache, EncoderDecoderCache) or not isinstance(cache, DynamicCache):
+        return False
+    windowed = getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True)
+    return not windowed and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def compact(cache, mask: torch.Tensor) -> torch.Tensor:
     """Drop the hole columns of a batched cache; returns the new column mask.
 

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from lookup_decode.cache import cache_argument, compact, crop, keep_tree_path, start_rollback
+from lookup_decode.cache import cache_argument, compact, crop, full_attention, keep_tree_path, start_rollback
 from lookup_decode.cost import timed
 from lookup_decode.draft import EMPTY
 from lookup_decode.policy import BUCKETS
@@ -101,7 +101,10 @@ class SequenceForward(_Model):
         self.input_name, self.extra = input_name, extra or {}
         # A static cache is there to be compiled: keep forward sizes to a few buckets.
         self.bucketed = bool(getattr(cache, "is_compileable", False))
-        self.shapes = "buckets" if self.bucketed else "tree" if input_name == "input_ids" else "chain"
+        # Trees only where they are exact (full-attention dynamic layers); elsewhere policy.fit verifies a
+        # tree's first branch, a chain, so a tree drafter still gives plain's output.
+        tree = input_name == "input_ids" and full_attention(cache, model)
+        self.shapes = "buckets" if self.bucketed else "tree" if tree else "chain"
         self._undo = 0                  # tokens to crop at rollback, or the accepted path of a tree
         self._tree = None
 

@@ -206,3 +206,21 @@ def test_stop_string_ending_in_a_multibyte_character(stop):
     text = list(("some text " + stop).encode())
     hits = [bool(criterion(torch.tensor([text[:j + 1]]))[0]) for j in range(len(text))]
     assert hits.index(True) == len(text) - 1 and sum(hits) == 1
+
+
+# --- trees exact or refused on every cache family -----------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(__import__("tiny_models").WINDOWED))
+def test_trees_on_windowed_and_conv_caches_are_exact(family):
+    """A tree's 4-D mask ignores a sliding window and a conv layer sees nodes as one sequence: such caches
+    verify the tree's first branch (a chain) instead, and the output is plain's."""
+    import tiny_models
+    model = tiny_models.build(family)
+    prompt = repetitive_prompt(3, length=12, repeats=4)           # longer than the window (24)
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ref = model.generate(prompt, **kw)
+    stats = DecodeStats()
+    got = model.generate(prompt, custom_generate=lookup_decode.generate, proposer=lookup_decode.TreeProposer(width=3),
+                         stats=stats, adaptive=False, **kw)
+    assert got.tolist() == ref.tolist()
+    assert stats.accepted > 0
