@@ -101,6 +101,24 @@ class Memory(Corpus):
         self.evicted += len(gone)
         self._remove(gone)
 
+    def _load_keep(self, header: dict, lengths) -> list[bool]:
+        """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
+        metadata first, so a large file never gets indexed whole just to be cut down."""
+        keep = [True] * len(lengths)
+        held = sum(int(n) for n in lengths)
+        if held <= self.max_tokens:
+            return keep
+        budget = int(LOW_WATER * self.max_tokens)
+        order = sorted(range(len(lengths)), key=lambda i: (header["last_used"][i], header["accepted"][i],
+                                                           header["added"][i]))
+        for i in order:
+            if held <= budget:
+                break
+            keep[i] = False
+            held -= int(lengths[i])
+            self.evicted += 1
+        return keep
+
     def _after_load(self) -> None:
         if self._n_tokens > self.max_tokens:
             self._evict(int(LOW_WATER * self.max_tokens))
