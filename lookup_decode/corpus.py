@@ -113,7 +113,8 @@ class Corpus:
 
     # -- writing (callers hold the lock) ---------------------------------------------------------
     def _tokens(self, tokens, what: str) -> np.ndarray:
-        arr = as_token_array(tokens, what)
+        # A copy of our own: the caller may reuse its buffer, and entries must stay what was indexed.
+        arr = np.array(as_token_array(tokens, what), dtype=np.int32, copy=True)
         if arr.size and int(arr.max()) == SEPARATOR:
             raise ValueError(f"{what} hold id {SEPARATOR}, reserved as the separator between entries")
         if self.vocab_size is not None and arr.size and int(arr.max()) >= self.vocab_size:

@@ -228,32 +228,59 @@ class BatchForward(_Model):
         self.mask, self.positions = self.mask[index], self.positions[index]
 
 
-def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
-                       available_bytes: int | None = None) -> None:
-    """Raise a clear ValueError when the KV cache of this batch cannot fit in free memory."""
+def batch_memory_bytes(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
+                       *, logits: bool = True) -> int | None:
+    """Bytes a batch needs beyond the weights: its KV cache and (logits=True) one verify forward's float32
+    logits [B, k + 1, V]. None when the config does not say enough to estimate."""
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", None)
     heads = getattr(cfg, "num_attention_heads", None)
     if not layers or not heads:
-        return                                    # cannot estimate: let it run
+        return None
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype_bytes = next(model.parameters()).element_size()
     # Columns: every position, the widest verification, and the holes allowed before compaction.
     columns = int((max_length + k + 1) * (1 + hole_share)) + min_holes
     need = batch * columns * layers * 2 * kv_heads * head_dim * dtype_bytes
+    if logits:
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else getattr(cfg, "vocab_size", 0)
+        need += batch * (k + 1) * int(vocab) * 4
+    return need
+
+
+def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
+                       available_bytes: int | None = None) -> None:
+    """Raise a clear ValueError when the KV cache and verify logits of this batch cannot fit in free memory."""
+    need = batch_memory_bytes(model, batch, max_length, k, hole_share, min_holes)
+    if need is None:
+        return                                    # cannot estimate: let it run
     if available_bytes is None:
         available_bytes = _free_memory(next(model.parameters()).device)
     if available_bytes is not None and need > available_bytes:
         raise ValueError(
-            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache for "
+            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and logits for "
             f"{type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller batch "
             f"or fewer max_new_tokens")
 
 
 def _free_memory(device: torch.device) -> int | None:
+    """Bytes this process can still allocate on `device`.
+
+    CUDA: the driver's free memory plus what torch's caching allocator holds reserved but unused (it
+    reuses that first). CPU: MemAvailable, which counts the page cache the kernel gives back on demand
+    (free pages alone, SC_AVPHYS_PAGES, refused batches that fit)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(reusable, 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

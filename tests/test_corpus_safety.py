@@ -168,3 +168,17 @@ def test_memory_load_applies_max_tokens_before_indexing(tmp_path, monkeypatch):
     monkeypatch.setattr(SuffixIndex, "extend", counting)
     small = Memory.load(path, max_tokens=300)
     assert small.n_tokens <= 300 and sum(indexed) <= 400
+
+
+# --- caller arrays are copied ---------------------------------------------------------------------------
+
+def test_corpus_keeps_its_own_copy_of_caller_arrays():
+    tokens = text(50)
+    refs = References()
+    refs.register("d", tokens=tokens)
+    memory = Memory(1000)
+    memory.add(tokens)
+    original = tokens.copy()
+    tokens[:] = 7                                   # the caller reuses its buffer
+    assert refs.entries()[0].tokens.tolist() == original.tolist()
+    assert memory.entries()[0].tokens.tolist() == original.tolist()

@@ -224,3 +224,25 @@ def test_trees_on_windowed_and_conv_caches_are_exact(family):
                          stats=stats, adaptive=False, **kw)
     assert got.tolist() == ref.tolist()
     assert stats.accepted > 0
+
+
+# --- batch memory check: logits counted, free memory read as the OS reports it ----------------------------
+
+def test_batch_memory_check_counts_the_logits(tiny_llama):
+    from lookup_decode.forward import batch_memory_bytes, check_batch_memory
+    kv = batch_memory_bytes(tiny_llama, 8, 200, 32, logits=False)
+    with_logits = batch_memory_bytes(tiny_llama, 8, 200, 32)
+    assert with_logits - kv == 8 * 33 * VOCAB * 4        # float32 [B, k + 1, V] of one verify forward
+    with pytest.raises(ValueError, match="GiB"):
+        check_batch_memory(tiny_llama, 8, 200, 32, available_bytes=(kv + with_logits) // 2)
+
+
+def test_free_cpu_memory_counts_reclaimable_cache():
+    """SC_AVPHYS_PAGES leaves out the page cache the OS gives back on demand: it refused batches that fit."""
+    import os
+    from lookup_decode.forward import _free_memory
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    free = _free_memory(torch.device("cpu"))
+    assert abs(free - available) < 0.05 * available + (64 << 20)
+    assert free >= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.95
