@@ -33,7 +33,10 @@ class Draft:
         tokens = np.asarray(self.tokens)
         if tokens.ndim != 1 or not (tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
             raise TypeError(f"Draft.tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
-        object.__setattr__(self, "tokens", tokens.astype(np.int32, copy=False))
+        if tokens.size and tokens.dtype.itemsize > 4 and (int(tokens.min()) < -2**31 or int(tokens.max()) >= 2**31):
+            raise ValueError(f"Draft.tokens hold ids outside int32 (min {int(tokens.min())}, max {int(tokens.max())})")
+        # A copy: a drafter may reuse its buffer, and a Draft is immutable.
+        object.__setattr__(self, "tokens", np.array(tokens, dtype=np.int32, copy=True))
         if self.parents is not None:
             parents = np.asarray(self.parents, dtype=np.int32)
             if parents.shape != tokens.shape or np.any(parents >= np.arange(len(parents))) or np.any(parents < -1):

@@ -246,3 +246,17 @@ def test_free_cpu_memory_counts_reclaimable_cache():
     free = _free_memory(torch.device("cpu"))
     assert abs(free - available) < 0.05 * available + (64 << 20)
     assert free >= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.95
+
+
+# --- Draft: ids past int32 refused, not wrapped; the caller's buffer copied ---------------------------------
+
+def test_draft_refuses_ids_past_int32():
+    with pytest.raises(ValueError, match="int32"):
+        Draft(np.array([5, 2 ** 32 + 5], np.int64))
+
+
+def test_draft_copies_the_callers_buffer():
+    buffer = np.array([4, 5, 6], np.int32)
+    draft = Draft(buffer)
+    buffer[:] = 0
+    assert draft.tokens.tolist() == [4, 5, 6]
