@@ -198,6 +198,12 @@ class References(Corpus):
     def remember(self, prompt, output) -> None:
         """References do not learn from requests."""
 
+    def _load_keep(self, header: dict, lengths) -> list[bool]:
+        held = sum(int(n) for n in lengths)
+        if self.max_tokens is not None and held > self.max_tokens:   # refused before indexing anything
+            raise ValueError(f"the saved references hold {held} tokens, more than max_tokens={self.max_tokens}")
+        return [True] * len(lengths)
+
     def _after_load(self) -> None:
         if self.max_tokens is not None and self._n_tokens > self.max_tokens:
             raise ValueError(f"the loaded references hold {self._n_tokens} tokens, more than max_tokens="

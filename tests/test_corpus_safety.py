@@ -182,3 +182,16 @@ def test_corpus_keeps_its_own_copy_of_caller_arrays():
     tokens[:] = 7                                   # the caller reuses its buffer
     assert refs.entries()[0].tokens.tolist() == original.tolist()
     assert memory.entries()[0].tokens.tolist() == original.tolist()
+
+
+def test_references_load_refuses_over_max_tokens_before_indexing(tmp_path, monkeypatch):
+    refs = References()
+    refs.register("a", tokens=text(500))
+    path = tmp_path / "r.npz"
+    refs.save(path)
+    indexed = []
+    real_extend = SuffixIndex.extend
+    monkeypatch.setattr(SuffixIndex, "extend", lambda self, t: (indexed.append(len(t)), real_extend(self, t))[1])
+    with pytest.raises(ValueError, match="more than max_tokens=100"):
+        References.load(path, max_tokens=100)
+    assert sum(indexed) == 0
