@@ -302,6 +302,7 @@ def main(argv=None) -> int:
     by_axis = {axis: collections.Counter() for axis in ("family", "sample", "drafter", "batch", "static", "stop",
                                                         "adaptive", "k")}
     failures, accepted, t0 = [], 0, time.time()
+    refusals, kinds = collections.Counter(), collections.Counter()
 
     def write(done):
         if args.out:
@@ -309,6 +310,7 @@ def main(argv=None) -> int:
             result = dict(command=f"python -m benchmarks.fuzz --cases {args.cases} --seed {args.seed}",
                           cases_done=done, cases_asked=args.cases, seconds=round(time.time() - t0, 1),
                           outcomes=dict(counts), failures=failures, accepted_tokens=accepted,
+                          refusals=dict(refusals.most_common()), cases_per_kind=dict(kinds.most_common()),
                           cases_per_axis={a: {str(k): v for k, v in c.items()} for a, c in by_axis.items()},
                           torch=torch.__version__, transformers=tf.__version__)
             tmp = f"{args.out}.{os.getpid()}.tmp"
@@ -321,6 +323,9 @@ def main(argv=None) -> int:
         outcome = run_case(case)
         counts[outcome["result"]] += 1
         accepted += outcome["accepted"]
+        kinds[outcome["kind"]] += 1
+        if outcome["result"] == "refused":
+            refusals[outcome["error"].split(";")[0][:120]] += 1
         for axis, c in by_axis.items():
             c[case[axis] if axis != "stop" else case[axis] is not None] += 1
         if outcome["result"] in FAILURES:
