@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="write the result JSON here (written again every 100 cases)")
+    parser.add_argument("--out", default=None, help="write the result JSON here (written again every 10 cases)")
     parser.add_argument("--replay", default=None, help="SEED:I: run one case and print it")
     args = parser.parse_args(argv)
     quiet()
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
         if outcome["result"] in FAILURES:
             failures.append(dict(case=case, **outcome))
             print(f"case {args.seed}:{i} {outcome['result']}: {outcome.get('error', '')}", file=sys.stderr)
-        if (i + 1) % 100 == 0:
+        if (i + 1) % 10 == 0:
             write(i + 1)
             print(f"{i + 1} cases, {dict(counts)}", file=sys.stderr)
     write(args.cases)
