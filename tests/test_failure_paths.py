@@ -260,3 +260,18 @@ def test_draft_copies_the_callers_buffer():
     draft = Draft(buffer)
     buffer[:] = 0
     assert draft.tokens.tolist() == [4, 5, 6]
+
+
+# --- static caches with conv layers: refused (the fuzzer found wrong tokens at max_cache_len >= 512) ---------
+
+def test_static_cache_with_conv_layers_is_refused():
+    """Found by benchmarks/fuzz.py (seed 1, case 181): LFM2 (conv + attention layers) on a StaticCache of
+    1024 positions gave other tokens than plain generate. Refused clearly until its rollback is exact."""
+    import tiny_models
+    from transformers import StaticCache
+    model = tiny_models.build("lfm2")
+    prompt = repetitive_prompt(1)
+    cache = StaticCache(config=model.config, max_cache_len=1024)
+    with pytest.raises(lookup_decode.UnsupportedCacheError, match="static cache"):
+        model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, past_key_values=cache,
+                       custom_generate=lookup_decode.generate, adaptive=False)
