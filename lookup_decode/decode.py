@@ -172,7 +172,8 @@ def decode(rows: Rows, forward, drafters, policy, *, prompt_mask: torch.Tensor |
     mask = prompt_mask if prompt_mask is not None else torch.ones(rows.ids.shape[0], P, dtype=torch.bool)
     # Prefill: the prompts enter the cache; their last rows give each row's first token.
     verified = forward.prefill(rows)
-    if adaptive and policy.k > 0 and policy.cost is None:
+    # Calibrate only when a step can follow the prefill's token (max_new_tokens >= 2): never time what is not needed.
+    if adaptive and policy.k > 0 and policy.cost is None and any(rows.room(b) >= 1 for b in rows.active):
         policy.cost = forward.calibrate(rows, costs, policy.k)
     for b in rows.active:
         drafters[b].extend(rows.ids[b, :P][mask[b].to(rows.ids.device)])

@@ -127,6 +127,9 @@ class SequenceForward(_Model):
         sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
             room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
+            if room < 1:
+                return None                     # a full static cache: no forward can follow (nor be timed)
+            fit = min(fit, room)
             sizes = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
         return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes, fit=fit)
 
@@ -205,7 +208,10 @@ class BatchForward(_Model):
         n_draft = torch.tensor([len(d) for d in drafts], device=device)
         cols = torch.arange(w, device=device)
         new_valid = cols[None, :] <= n_draft[:, None]                      # [A, w]: padding columns are masked
-        logits = self(x, torch.cat([self.mask, new_valid], 1), self.positions[:, None] + cols, w)
+        # A padding column is masked out for good, but its position id is still looked up (learned position
+        # tables raise past the context): it repeats the row's last real position.
+        positions = self.positions[:, None] + torch.minimum(cols[None, :], n_draft[:, None])
+        logits = self(x, torch.cat([self.mask, new_valid], 1), positions, w)
         self._width = w
         return [self.accept(rows, i, b, d, logits[i, : len(d) + 1]) for i, (b, d) in enumerate(zip(rows.active, drafts))]
 

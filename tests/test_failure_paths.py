@@ -275,3 +275,54 @@ def test_static_cache_with_conv_layers_is_refused():
     with pytest.raises(lookup_decode.UnsupportedCacheError, match="static cache"):
         model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0, past_key_values=cache,
                        custom_generate=lookup_decode.generate, adaptive=False)
+
+
+# --- found by the fuzzer (seed 2): positions of padding columns, calibration with no room -------------------
+
+class Oracle:
+    """Drafts the known continuation: its row runs ahead of a row whose drafts are all rejected."""
+
+    def __init__(self, tokens, per_step):
+        self.tokens, self.n, self.per_step = list(tokens), 0, per_step
+
+    def extend(self, tokens):
+        self.n += len(tokens)
+
+    def propose(self, max_tokens):
+        return Draft(np.array(self.tokens[self.n: self.n + min(max_tokens, self.per_step)], np.int32))
+
+
+class Fives:
+    def extend(self, tokens):
+        pass
+
+    def propose(self, max_tokens):
+        return Draft(np.full(min(max_tokens, 4), 5, np.int32))
+
+
+def test_batch_padding_columns_stay_inside_the_context():
+    """Seed 2, case 1285: a row that drafts nothing near the context end shares a forward with a row that drafts
+    4 tokens; its padding columns' positions ran past GPT-2's 64 positions (IndexError in the embedding)."""
+    model = short_gpt2(64)
+    rng = np.random.default_rng(0)
+    ids = torch.tensor(rng.integers(3, VOCAB, (2, 50)))
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ref = model.generate(ids, **kw)
+    stats = DecodeStats()
+    got = model.generate(ids, custom_generate=lookup_decode.generate, proposer=[Oracle(ref[0].tolist(), 1), Fives()],
+                         adaptive=False, k=8, stats=stats, **kw)
+    assert got.tolist() == ref.tolist() and stats.accepted > 0
+
+
+def test_static_cache_with_one_new_token_and_adaptive():
+    """Seed 2, case 189: max_new_tokens=1 on a static cache sized to the prompt: calibration ran a forward into a
+    full cache (index_copy_ out of bounds). No step can follow the prefill there, so nothing is calibrated."""
+    model = short_gpt2(1024)
+    prompt = repetitive_prompt(2)
+    kw = dict(max_new_tokens=1, do_sample=False, pad_token_id=0, cache_implementation="static")
+    ref = model.generate(prompt, **kw)
+    costs = CostModel()
+    got = model.generate(prompt, custom_generate=lookup_decode.lookup_decoding(costs=costs), **kw)
+    assert got.tolist() == ref.tolist() and costs.known(model) == {}
