@@ -66,7 +66,8 @@ def _messages_from(row, where: str) -> list[dict]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8", newline="") as f:     # newline="": keep \r and \u2028 as they are
+            return f.read()
     except (OSError, UnicodeDecodeError) as e:
         _fail(str(path), f"cannot read: {e}")
 
@@ -92,7 +93,10 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
             out.append(BenchRequest(f.name, [{"role": "user", "content": text}]))
         return out
     out = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+    # JSON Lines end lines with \n (or \r\n) only: str.splitlines() would also split on U+2028, U+2029,
+    # \x85, ... which are legal unescaped inside a JSON string.
+    for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -312,19 +316,49 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-confirm", action="store_true",
                         help="recommend from the replay only; skip the end-to-end run of the recommended setting")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text summary")
+    parser.add_argument("--results", default=None, help="append one JSON line per timed run to this file as it is "
+                        "measured (a run that fails half way keeps what it measured)")
 
 
-def measure(model, prompts, variants: list[Variant], max_new_tokens: int, repeats: int, progress) -> list[dict[str, Run]]:
-    """Per prompt: the run of each variant with the median time over repeats, interleaved."""
-    results = []
-    for i, ids in enumerate(prompts):
-        runs: dict[str, list[Run]] = {v.name: [] for v in variants}
-        by_name = {v.name: v for v in variants}
-        for _, name in interleaved_order(list(by_name), repeats, offset=i):
-            runs[name].append(run_variant(model, ids, by_name[name], max_new_tokens))
-            progress()
-        results.append({name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()})
-    return results
+def prompt_ids(tokenizer, requests: list[BenchRequest], device) -> list:
+    """Each request's prompt ids through the chat template; an error names the request (file:line)."""
+    from lookup_decode.models import chat_ids
+    out = []
+    for r in requests:
+        try:
+            out.append(chat_ids(tokenizer, r.messages).to(device))
+        except Exception as e:      # noqa: BLE001  (any tokenizer/template error, reported with its request)
+            _fail(r.id, f"cannot build the prompt: {type(e).__name__}: {e}")
+    return out
+
+
+def measure(model, prompts, variants: list[Variant], max_new_tokens: int, repeats: int, progress, *,
+            results: str | Path | None = None, ids: list[str] | None = None) -> list[dict[str, Run]]:
+    """Per prompt: the run of each variant with the median time over repeats, interleaved.
+
+    results: a JSONL file that gets one line per run as soon as it is measured (flushed), so a run that
+    fails half way (out of memory, Ctrl-C) keeps everything measured before; ids name the requests."""
+    out = []
+    sink = open(results, "a", encoding="utf-8") if results is not None else None
+    try:
+        for i, ids_i in enumerate(prompts):
+            runs: dict[str, list[Run]] = {v.name: [] for v in variants}
+            by_name = {v.name: v for v in variants}
+            for _, name in interleaved_order(list(by_name), repeats, offset=i):
+                run = run_variant(model, ids_i, by_name[name], max_new_tokens)
+                runs[name].append(run)
+                if sink is not None:
+                    row = {"request": ids[i] if ids else i, "variant": name, "new_tokens": len(run.tokens),
+                           "seconds": run.seconds, "tokens": run.tokens,
+                           "stats": run.stats.as_dict() if run.stats is not None else None}
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                progress()
+            out.append({name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()})
+    finally:
+        if sink is not None:
+            sink.close()
+    return out
 
 
 def compare(measured: list[dict[str, Run]], name: str) -> dict:
@@ -346,7 +380,7 @@ def run(args) -> int:
     import torch
 
     from lookup_decode.cost import SIZES, CostCurve, measure_forward_cost
-    from lookup_decode.models import ModelNotFoundError, chat_ids, load_model
+    from lookup_decode.models import ModelNotFoundError, load_model
     from lookup_decode.replay import SEARCH_K, search_settings
 
     if args.max_new_tokens < 1:
@@ -364,7 +398,8 @@ def run(args) -> int:
         model, tokenizer = load_model(args.model, device=args.device)
     except ModelNotFoundError as e:
         raise SystemExit(f"{PROG}: {e}")
-    prompts = [chat_ids(tokenizer, r.messages).to(args.device) for r in requests]
+    prompts = prompt_ids(tokenizer, requests, args.device)
+    ids = [r.id for r in requests]
     eos = eos_ids(model.generation_config)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
 
@@ -380,7 +415,8 @@ def run(args) -> int:
     def progress():
         done[0] += 1
         say(f"  run {done[0]}/{total_runs}")
-    measured = measure(model, prompts, variants, args.max_new_tokens, args.repeats, progress)
+    measured = measure(model, prompts, variants, args.max_new_tokens, args.repeats, progress, results=args.results,
+                       ids=ids)
     summary = compare(measured, default.name)
 
     # Settings search: replay on the plain outputs, priced with this machine's forward cost.
@@ -403,7 +439,8 @@ def run(args) -> int:
         say(f"{PROG}: confirming {tuned.describe()} end to end")
         run_variant(model, prompts[0], tuned, min(args.max_new_tokens, 16))  # warm-up: cost calibration for this k
         done[0], total_runs = 0, len(prompts) * 2 * args.repeats
-        confirmed = measure(model, prompts, [PLAIN, tuned], args.max_new_tokens, args.repeats, progress)
+        confirmed = measure(model, prompts, [PLAIN, tuned], args.max_new_tokens, args.repeats, progress,
+                            results=args.results, ids=ids)
         result["confirmed"] = compare(confirmed, "tuned")
 
     if args.json:

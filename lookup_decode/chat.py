@@ -18,6 +18,7 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
     from lookup_decode.models import chat_ids
     messages = [{"role": "system", "content": system}] if system else []
     start = len(messages)
+    context = getattr(model.config, "max_position_embeddings", None)
     for line in lines:
         text = line.strip()
         if not text:
@@ -29,6 +30,16 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
             continue
         messages.append({"role": "user", "content": text})
         ids = chat_ids(tokenizer, messages)
+        # The history grows every turn: drop the oldest turns (never the system message) until the prompt and
+        # the reply fit the model's context, instead of ending a long chat in a context-length error.
+        while context is not None and ids.shape[1] + max_new_tokens > context and len(messages) - start > 1:
+            del messages[start: start + 2]
+            ids = chat_ids(tokenizer, messages)
+        if context is not None and ids.shape[1] + max_new_tokens > context:
+            print(f"--- this message ({ids.shape[1]} tokens) and a {max_new_tokens}-token reply do not fit the "
+                  f"model's context of {context} tokens; send a shorter one", file=err)
+            messages.pop()
+            continue
         stats = lookup_decode.DecodeStats()
         streamer = streamer_factory() if streamer_factory is not None else None
         result = lookup_decode.generate(model, ids, max_new_tokens=max_new_tokens, do_sample=False, memory=memory,
@@ -67,12 +78,22 @@ def cmd_chat(args) -> int:
             yield line
 
     factory = (lambda: TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
-    chat_loop(model, tokenizer, lines(), memory, max_new_tokens=args.max_new_tokens, system=args.system,
-              streamer_factory=factory, k=args.k)
-    if path is not None:
-        memory.save(path)
-        print(f"--- memory saved to {path}", file=sys.stderr)
+    run_chat(model, tokenizer, lines(), memory, path, max_new_tokens=args.max_new_tokens, system=args.system,
+             streamer_factory=factory, k=args.k)
     return 0
+
+
+def run_chat(model, tokenizer, lines, memory, path: Path | None, **options) -> None:
+    """chat_loop, then save the memory to `path` on every way out: /exit, end of input, an error, or
+    Ctrl-C (the usual way out of a chat), which ends the chat quietly."""
+    try:
+        chat_loop(model, tokenizer, lines, memory, **options)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    finally:
+        if path is not None:
+            memory.save(path)
+            print(f"--- memory saved to {path}", file=sys.stderr)
 
 
 def add_arguments(p) -> None:

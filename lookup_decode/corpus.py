@@ -23,6 +23,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
+import tempfile
 import threading
 import zipfile
 from dataclasses import dataclass
@@ -111,7 +113,8 @@ class Corpus:
 
     # -- writing (callers hold the lock) ---------------------------------------------------------
     def _tokens(self, tokens, what: str) -> np.ndarray:
-        arr = as_token_array(tokens, what)
+        # A copy of our own: the caller may reuse its buffer, and entries must stay what was indexed.
+        arr = np.array(as_token_array(tokens, what), dtype=np.int32, copy=True)
         if arr.size and int(arr.max()) == SEPARATOR:
             raise ValueError(f"{what} hold id {SEPARATOR}, reserved as the separator between entries")
         if self.vocab_size is not None and arr.size and int(arr.max()) >= self.vocab_size:
@@ -130,25 +133,27 @@ class Corpus:
         self.version += 1
 
     def _remove(self, keys) -> None:
-        """Drop entries and rebuild the index from the others (O(kept tokens))."""
-        for key in keys:
-            del self._entries[key]
-        kept = list(self._entries.values())
-        self._entries.clear()
-        self._index = SuffixIndex(min_match=1, max_match=2**31 - 1)
-        self._starts, self._keys, self._n_tokens, self._max_id = [], [], 0, -1
+        """Drop entries and rebuild the index from the others (O(kept tokens)).
+
+        Exception safe: the new index is built aside and swapped in with the entries' new positions
+        only when complete; a MemoryError or Ctrl-C during the rebuild leaves every entry in place."""
+        gone = set(keys)
+        kept = [e for key, e in self._entries.items() if key not in gone]
+        index = SuffixIndex(min_match=1, max_match=2**31 - 1)
+        starts = []
         if kept:
             text = np.concatenate([np.append(e.tokens, np.int32(SEPARATOR)) for e in kept])
-            self._index.extend(text)            # one kernel call for the whole corpus
-            pos = 0
-            for e in kept:
-                e.start = pos
-                pos += e.tokens.size + 1
-                self._entries[e.key] = e
-            self._starts = [e.start for e in kept]
-            self._keys = [e.key for e in kept]
-            self._n_tokens = sum(e.tokens.size for e in kept)
-            self._max_id = max(int(e.tokens.max()) for e in kept)
+            index.extend(text)                  # one kernel call for the whole corpus
+            starts = np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in kept])[:-1]]).tolist()
+        # Nothing below allocates much or can fail half way.
+        for e, start in zip(kept, starts):
+            e.start = int(start)
+        self._index = index
+        self._entries = {e.key: e for e in kept}
+        self._starts = [e.start for e in kept]
+        self._keys = [e.key for e in kept]
+        self._n_tokens = sum(e.tokens.size for e in kept)
+        self._max_id = max((int(e.tokens.max()) for e in kept), default=-1)
         self.version += 1
 
     def credit(self, version: int, position: int, accepted: int) -> None:
@@ -170,7 +175,11 @@ class Corpus:
         return {"vocab_size": self.vocab_size}
 
     def save(self, path) -> None:
-        """Write the entries (not the index: it is rebuilt on load) to `path` (.npz)."""
+        """Write the entries (not the index: it is rebuilt on load) to `path` (.npz).
+
+        Atomic: written under the lock to a temp file of its own (two saves to one path never share one),
+        fsynced, then renamed over `path`; on any failure the temp file goes and the old file stays."""
+        path = Path(path)
         with self._lock:
             entries = list(self._entries.values())
             tokens = np.concatenate([e.tokens for e in entries]) if entries else np.zeros(0, np.int32)
@@ -179,11 +188,17 @@ class Corpus:
                       "added": [e.added for e in entries], "last_used": [e.last_used for e in entries],
                       "accepted": [e.accepted for e in entries], "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
             lengths = np.array([e.tokens.size for e in entries], np.int64)
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:              # np.savez would append ".npz" to a path without it
-            np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), tokens=tokens, lengths=lengths)
-        tmp.replace(path)                       # a crash mid-write leaves the old file intact
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:   # np.savez would append ".npz" to a path without it
+                    np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), tokens=tokens,
+                             lengths=lengths)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
 
     @classmethod
     def load(cls, path, **overrides):
@@ -197,8 +212,11 @@ class Corpus:
         if overrides:
             obj = cls(**{**header["settings"], **overrides})
         pieces = np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []
+        keep = obj._load_keep(header, lengths)
         with obj._lock:
             for i, key in enumerate(header["keys"]):
+                if not keep[i]:
+                    continue
                 arr = obj._tokens(pieces[i], f"entry {key!r} of {path}")
                 obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
                                   accepted=header["accepted"][i]))
@@ -206,8 +224,34 @@ class Corpus:
             obj._after_load()
         return obj
 
+    def _load_keep(self, header: dict, lengths: np.ndarray) -> list[bool]:
+        """Which saved entries to index (all; a bounded memory drops what it would evict before indexing)."""
+        return [True] * len(lengths)
+
     def _after_load(self) -> None:
         """Subclasses enforce their bounds on a loaded corpus."""
+
+
+_MEMBERS = {"header.npy", "tokens.npy", "lengths.npy"}
+_MAX_HEADER_BYTES = 1 << 26
+
+
+def _check_members(path, bad) -> None:
+    """Before any array is read: the file is a zip of exactly our three members, stored uncompressed (what
+    `save` writes), so no member can expand beyond the file's own size; the header is small."""
+    os.stat(path)                               # FileNotFoundError as before for a missing file
+    if not zipfile.is_zipfile(path):
+        raise bad("not an .npz archive")
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        if {i.filename for i in infos} != _MEMBERS or len(infos) != 3:
+            raise bad(f"arrays {sorted(i.filename.removesuffix('.npy') for i in infos)}")
+        for i in infos:
+            if i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size:
+                raise bad(f"member {i.filename} is compressed; save() stores arrays uncompressed, and a compressed "
+                          f"member could expand far beyond the file's size")
+        if z.getinfo("header.npy").file_size > _MAX_HEADER_BYTES:
+            raise bad("header too large")
 
 
 def _read(path, kind: str):
@@ -215,6 +259,7 @@ def _read(path, kind: str):
     def bad(why):
         return CorpusFileError(f"{path}: not a lookup_decode {kind} file ({why})")
     try:
+        _check_members(path, bad)
         with np.load(path, allow_pickle=False) as f:
             if set(f.files) != {"header", "tokens", "lengths"}:
                 raise bad(f"arrays {sorted(f.files)}")
@@ -223,7 +268,7 @@ def _read(path, kind: str):
         raise
     except FileNotFoundError:
         raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, TypeError, AttributeError) as e:
         raise bad(f"unreadable: {e}") from None
     try:
         header = json.loads(raw.tobytes().decode())
@@ -238,7 +283,8 @@ def _read(path, kind: str):
         raise CorpusFileError(f"{path} holds a {header.get('kind')!r}, not a {kind!r}")
     if tokens.dtype != np.int32 or tokens.ndim != 1 or lengths.dtype != np.int64 or lengths.ndim != 1:
         raise bad("array types")
-    if np.any(lengths < 1) or int(lengths.sum()) != tokens.size:
+    # Python ints: an int64 sum of crafted lengths could wrap around to the right total.
+    if np.any(lengths < 1) or sum(int(n) for n in lengths) != tokens.size:
         raise bad("entry lengths do not add up to the tokens")
     n = len(lengths)
     fields = ("keys", "added", "last_used", "accepted")

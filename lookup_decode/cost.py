@@ -221,15 +221,22 @@ class CostModel:
         return str(p.device), str(p.dtype), int(rows), bool(bucketed)
 
     def curve(self, model, max_n: int, seconds_of: Callable[[int], float], *, bucketed: bool = False,
-              sizes=None) -> CostCurve:
+              sizes=None, fit: int | None = None) -> CostCurve:
         """The live curve of one sequence (up to max(max_n, 33) tokens): known, cached on disk, or the
-        shape prior corrected by a few forwards (`quick_curve`; `full=True` models time the whole grid)."""
+        shape prior corrected by a few forwards (`quick_curve`; `full=True` models time the whole grid).
+
+        fit: the widest forward this call can run (its context and max_length); nothing wider is timed,
+        since a forward past a model's positions is an index error (on CUDA one that poisons the process).
+        """
+        if fit is not None:
+            max_n = min(max_n, fit)
+            sizes = None if sizes is None else [n for n in sizes if n <= fit] or [max_n]
         key = self.key(model, 1, bucketed)
         with self._lock:
             known = self._by_model.setdefault(model, {})
             if key in known and known[key].max_n >= max_n:
                 return known[key]
-            top = max(max_n, MIN_CALIBRATED)
+            top = max(max_n, MIN_CALIBRATED) if fit is None else min(max(max_n, MIN_CALIBRATED), fit)
             stored = self.disk.load(model, key)
             if stored is not None and len(stored) >= top + 1:
                 curve = CostCurve(np.arange(1, len(stored)), stored[1:], len(stored) - 1)
@@ -241,8 +248,11 @@ class CostModel:
             known[key] = curve
             return curve
 
-    def batch(self, model, rows: int, max_w: int, seconds_of: Callable[[int], float]) -> BatchCost:
-        """Relative costs of widths 1..max_w for `rows` rows: known, cached on disk, or measured now."""
+    def batch(self, model, rows: int, max_w: int, seconds_of: Callable[[int], float],
+              fit: int | None = None) -> BatchCost:
+        """Relative costs of widths 1..max_w for `rows` rows: known, cached on disk, or measured now
+        (fit: as in curve)."""
+        max_w = max_w if fit is None else min(max_w, fit)
         key = self.key(model, rows)
         with self._lock:
             known = self._by_model.setdefault(model, {})

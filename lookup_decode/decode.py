@@ -24,32 +24,55 @@ from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stop
 
 
+_FIRST_COLUMNS = 256      # columns past the prompt allocated at the start; more as rows grow
+
+
 @dataclass
 class Rows:
-    """The sequences being decoded. Invariant: ids[b, :cur[b]] is final; the cache holds all of it but the last token."""
-    ids: torch.Tensor                      # long [B, max_length]: prompts (left-padded), committed tokens, drafts
+    """The sequences being decoded. Invariant: ids[b, :cur[b]] is final; the cache holds all of it but the last token.
+
+    ids and uniforms grow as decoding goes (`reserve`), like plain generate's ids: a max_length of
+    millions (stopped by EOS or a criterion) must not allocate B x max_length up front.
+    """
+    ids: torch.Tensor                      # long [B, capacity]: prompts (left-padded), committed tokens, drafts
     cur: list[int]                         # [B] committed length of each row
     active: list[int]                      # rows still decoding, in the forward's (cache) row order
     prompt_len: int                        # P, the padded prompt length
-    uniforms: torch.Tensor | None = None   # float64 [B, max_length - P]: one per output position (sampling)
+    uniforms: torch.Tensor | None = None   # float64 [B, capacity - P]: one per output position (sampling)
     pad_token_id: int = 0                  # fills a row after its end in the result
+    max_length: int = 0                    # no row grows past it (0: ids.shape[1])
+    generator: torch.Generator | None = None   # draws the uniforms of new columns
+
+    def __post_init__(self):
+        self.max_length = int(self.max_length or self.ids.shape[1])
 
     @classmethod
     def start(cls, input_ids: torch.Tensor, max_length: int, *, pad_token_id: int = 0, do_sample: bool = False,
               generator: torch.Generator | None = None) -> "Rows":
         B, P = input_ids.shape
-        ids = torch.full((B, max_length), pad_token_id, dtype=torch.long, device=input_ids.device)
-        ids[:, :P] = input_ids
-        uniforms = None
+        rows = cls(input_ids.clone(), [P] * B, list(range(B)), P, None, pad_token_id, max_length, generator)
         if do_sample:  # one float64 uniform per row and output position: each row its own stream
-            where = generator.device if generator is not None else ids.device
-            uniforms = torch.rand((B, max_length - P), generator=generator, dtype=torch.float64,
-                                  device=where).to(ids.device)
-        return cls(ids, [P] * B, list(range(B)), P, uniforms, pad_token_id)
+            rows.uniforms = torch.zeros((B, 0), dtype=torch.float64, device=input_ids.device)
+        rows.reserve(P + _FIRST_COLUMNS)
+        return rows
+
+    def reserve(self, length: int) -> None:
+        """Make room for min(length, max_length) columns, growing by doubling (amortized O(1) per token)."""
+        have, length = self.ids.shape[1], min(int(length), self.max_length)
+        if length <= have:
+            return
+        grow = min(self.max_length, max(length, 2 * have)) - have
+        B = self.ids.shape[0]
+        self.ids = torch.cat([self.ids, self.ids.new_full((B, grow), self.pad_token_id)], 1)
+        if self.uniforms is not None:
+            where = self.generator.device if self.generator is not None else self.ids.device
+            more = torch.rand((B, self.ids.shape[1] - self.prompt_len - self.uniforms.shape[1]),
+                              generator=self.generator, dtype=torch.float64, device=where)
+            self.uniforms = torch.cat([self.uniforms, more.to(self.ids.device)], 1)
 
     def room(self, b: int) -> int:
         """Draft tokens row b may still verify: the step also emits one target token."""
-        return self.ids.shape[1] - self.cur[b] - 1
+        return self.max_length - self.cur[b] - 1
 
     def result(self) -> torch.Tensor:
         """long [B, P + longest row's new tokens], rows padded with pad_token_id after their end."""
@@ -78,8 +101,9 @@ def commit(rows: Rows, verified, drafters, stopping_criteria, streamer=None, rec
         if stop_at is not None:
             n = stop_at - c + 1
         if record is not None:
-            record.scores.extend(scores[j: j + 1] for j in range(n))
-            record.logits.extend(logits[j: j + 1] for j in range(n))
+            # Copies: a view would keep the whole [k + 1, V] verify block alive per token.
+            record.scores.extend(scores[j: j + 1].clone() for j in range(n))
+            record.logits.extend(logits[j: j + 1].clone() for j in range(n))
         if streamer is not None:
             streamer.put(rows.ids[b, c: c + n].cpu())
         drafters[b].extend(emitted[:n])          # the same tokens, already on the host (verify.accept_*)
@@ -95,7 +119,8 @@ def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: Decode
     t = time.perf_counter()
     # 1. Propose: never more than a row may still emit.
     limits = [min(policy.k, rows.room(b)) for b in rows.active]
-    fulls = [checked(drafters[b].propose(limit), drafters[b], limit) for b, limit in zip(rows.active, limits)]
+    fulls = [checked(drafters[b].propose(limit), drafters[b], limit, forward.vocab)
+             for b, limit in zip(rows.active, limits)]
     # 2. Choose one width for the forward: within it a row's extra draft tokens cost nothing more.
     n = policy.choose(fulls) - 1
     drafts = [policy.fit(full, n, limit, forward.shapes) for full, limit in zip(fulls, limits)]
@@ -103,6 +128,7 @@ def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: Decode
 
     # 3. Verify: one forward over [last token, draft] for every row; acceptance per row.
     t = time.perf_counter()
+    rows.reserve(max(rows.cur[b] + len(d) + 1 for b, d in zip(rows.active, drafts)))
     verified = forward.verify(rows, drafts)
     verify_s = time.perf_counter() - t
     kept = [v[0].numel() - 1 for v in verified]
@@ -146,7 +172,8 @@ def decode(rows: Rows, forward, drafters, policy, *, prompt_mask: torch.Tensor |
     mask = prompt_mask if prompt_mask is not None else torch.ones(rows.ids.shape[0], P, dtype=torch.bool)
     # Prefill: the prompts enter the cache; their last rows give each row's first token.
     verified = forward.prefill(rows)
-    if adaptive and policy.k > 0 and policy.cost is None:
+    # Calibrate only when a step can follow the prefill's token (max_new_tokens >= 2): never time what is not needed.
+    if adaptive and policy.k > 0 and policy.cost is None and any(rows.room(b) >= 1 for b in rows.active):
         policy.cost = forward.calibrate(rows, costs, policy.k)
     for b in rows.active:
         drafters[b].extend(rows.ids[b, :P][mask[b].to(rows.ids.device)])

@@ -33,7 +33,10 @@ class Draft:
         tokens = np.asarray(self.tokens)
         if tokens.ndim != 1 or not (tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
             raise TypeError(f"Draft.tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
-        object.__setattr__(self, "tokens", tokens.astype(np.int32, copy=False))
+        if tokens.size and tokens.dtype.itemsize > 4 and (int(tokens.min()) < -2**31 or int(tokens.max()) >= 2**31):
+            raise ValueError(f"Draft.tokens hold ids outside int32 (min {int(tokens.min())}, max {int(tokens.max())})")
+        # A copy: a drafter may reuse its buffer, and a Draft is immutable.
+        object.__setattr__(self, "tokens", np.array(tokens, dtype=np.int32, copy=True))
         if self.parents is not None:
             parents = np.asarray(self.parents, dtype=np.int32)
             if parents.shape != tokens.shape or np.any(parents >= np.arange(len(parents))) or np.any(parents < -1):
@@ -89,13 +92,18 @@ def kept_prefix(draft, emitted) -> int:
     return n if same.all() else int(np.argmin(same))
 
 
-def checked(draft, drafter, max_tokens: int) -> Draft:
-    """`draft` if it is a Draft no deeper than max_tokens, else a TypeError/ValueError naming the drafter."""
+def checked(draft, drafter, max_tokens: int, vocab: int | None = None) -> Draft:
+    """`draft` if it is a Draft no deeper than max_tokens whose ids are in [0, vocab), else a
+    TypeError/ValueError naming the drafter (a bad id would otherwise fail deep inside an embedding,
+    on CUDA as a device assert that poisons the process)."""
     if not isinstance(draft, Draft):
         raise TypeError(f"{type(drafter).__name__}.propose() must return a lookup_decode.Draft, "
                         f"got {type(draft).__name__}")
     if len(draft.chain) > max_tokens or draft.parents is not None and int(draft.depth.max()) > max_tokens:
         raise ValueError(f"{type(drafter).__name__}.propose({max_tokens}) returned a draft deeper than {max_tokens}")
+    if vocab is not None and len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
+        raise ValueError(f"{type(drafter).__name__}.propose() returned token ids outside the vocabulary [0, {vocab}): "
+                         f"min {int(draft.tokens.min())}, max {int(draft.tokens.max())}")
     return draft
 
 

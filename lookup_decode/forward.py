@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from lookup_decode.cache import cache_argument, compact, crop, keep_tree_path, start_rollback
+from lookup_decode.cache import cache_argument, compact, crop, full_attention, keep_tree_path, start_rollback
 from lookup_decode.cost import timed
 from lookup_decode.draft import EMPTY, kept_prefix
 from lookup_decode.policy import BUCKETS
@@ -41,6 +41,8 @@ class _Model:
         self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.processors, self.do_sample, self.generator, self.rules = (Processors(logits_processor), do_sample,
                                                                        generator, rules)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.vocab = int(head.weight.shape[0]) if head is not None else getattr(model.config, "vocab_size", None)
 
     def logits(self, n_logits: int, **inputs) -> torch.Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True, **inputs}
@@ -59,6 +61,18 @@ class _Model:
 
     def keep_rows(self, keep: list[int]) -> None:
         pass
+
+
+def widest_forward(model, rows) -> int:
+    """The most tokens per row a verify forward after the prefill can hold: cur >= P + 1 leaves at most
+    max_length - P - 1 (the step emits one more), and the positions P.. must stay inside the model's
+    context (learned position tables, e.g. GPT-2's n_positions, raise past it). At least 1."""
+    P = rows.prompt_len
+    fit = rows.max_length - P - 1
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        fit = min(fit, context - P)
+    return max(fit, 1)
 
 
 def tree_mask(draft, past: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -90,7 +104,10 @@ class SequenceForward(_Model):
         self.input_name, self.extra = input_name, extra or {}
         # A static cache is there to be compiled: keep forward sizes to a few buckets.
         self.bucketed = bool(getattr(cache, "is_compileable", False))
-        self.shapes = "buckets" if self.bucketed else "tree" if input_name == "input_ids" else "chain"
+        # Trees only where they are exact (full-attention dynamic layers); elsewhere policy.fit verifies a
+        # tree's first branch, a chain, so a tree drafter still gives plain's output.
+        tree = input_name == "input_ids" and full_attention(cache, model)
+        self.shapes = "buckets" if self.bucketed else "tree" if tree else "chain"
         self._undo = 0                  # tokens to crop at rollback, or the accepted path of a tree
         self._tree = None
 
@@ -110,11 +127,14 @@ class SequenceForward(_Model):
             elapsed = timed(last.device, lambda: self(last.expand(1, n), 1))
             crop(self.cache, n)
             return elapsed
-        sizes = None
+        sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
             room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
+            if room < 1:
+                return None                     # a full static cache: no forward can follow (nor be timed)
+            fit = min(fit, room)
             sizes = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
-        return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes)
+        return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes, fit=fit)
 
     def verify(self, rows, drafts):
         draft, cur, ids = drafts[0], rows.cur[0], rows.ids
@@ -167,7 +187,7 @@ class BatchForward(_Model):
 
     def calibrate(self, rows, costs, k: int):
         """Relative cost of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
-        last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
+        rows_, last = rows, rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
         rows = last.shape[0]
 
         def seconds_of(w):
@@ -176,7 +196,7 @@ class BatchForward(_Model):
             elapsed = timed(last.device, lambda: self(last.expand(rows, w), torch.cat([self.mask, cols], 1), pos, w))
             crop(self.cache, w)
             return elapsed
-        return costs.batch(self.model, rows, k + 1, seconds_of)
+        return costs.batch(self.model, rows, k + 1, seconds_of, fit=widest_forward(self.model, rows_))
 
     def verify(self, rows, drafts):
         device = rows.ids.device
@@ -191,7 +211,10 @@ class BatchForward(_Model):
         n_draft = torch.tensor([len(d) for d in drafts], device=device)
         cols = torch.arange(w, device=device)
         new_valid = cols[None, :] <= n_draft[:, None]                      # [A, w]: padding columns are masked
-        logits = self(x, torch.cat([self.mask, new_valid], 1), self.positions[:, None] + cols, w)
+        # A padding column is masked out for good, but its position id is still looked up (learned position
+        # tables raise past the context): it repeats the row's last real position.
+        positions = self.positions[:, None] + torch.minimum(cols[None, :], n_draft[:, None])
+        logits = self(x, torch.cat([self.mask, new_valid], 1), positions, w)
         self._width = w
         if not self.do_sample and not self.processors:
             # Greedy: every row's targets cross to the host in one transfer; acceptance runs there.
@@ -229,32 +252,59 @@ class BatchForward(_Model):
         self.mask, self.positions = self.mask[index], self.positions[index]
 
 
-def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
-                       available_bytes: int | None = None) -> None:
-    """Raise a clear ValueError when the KV cache of this batch cannot fit in free memory."""
+def batch_memory_bytes(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
+                       *, logits: bool = True) -> int | None:
+    """Bytes a batch needs beyond the weights: its KV cache and (logits=True) one verify forward's float32
+    logits [B, k + 1, V]. None when the config does not say enough to estimate."""
     cfg = model.config
     layers = getattr(cfg, "num_hidden_layers", None)
     heads = getattr(cfg, "num_attention_heads", None)
     if not layers or not heads:
-        return                                    # cannot estimate: let it run
+        return None
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype_bytes = next(model.parameters()).element_size()
     # Columns: every position, the widest verification, and the holes allowed before compaction.
     columns = int((max_length + k + 1) * (1 + hole_share)) + min_holes
     need = batch * columns * layers * 2 * kv_heads * head_dim * dtype_bytes
+    if logits:
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else getattr(cfg, "vocab_size", 0)
+        need += batch * (k + 1) * int(vocab) * 4
+    return need
+
+
+def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: float = 0.25, min_holes: int = 32,
+                       available_bytes: int | None = None) -> None:
+    """Raise a clear ValueError when the KV cache and verify logits of this batch cannot fit in free memory."""
+    need = batch_memory_bytes(model, batch, max_length, k, hole_share, min_holes)
+    if need is None:
+        return                                    # cannot estimate: let it run
     if available_bytes is None:
         available_bytes = _free_memory(next(model.parameters()).device)
     if available_bytes is not None and need > available_bytes:
         raise ValueError(
-            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache for "
+            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and logits for "
             f"{type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller batch "
             f"or fewer max_new_tokens")
 
 
 def _free_memory(device: torch.device) -> int | None:
+    """Bytes this process can still allocate on `device`.
+
+    CUDA: the driver's free memory plus what torch's caching allocator holds reserved but unused (it
+    reuses that first). CPU: MemAvailable, which counts the page cache the kernel gives back on demand
+    (free pages alone, SC_AVPHYS_PAGES, refused batches that fit)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(reusable, 0)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -206,13 +206,15 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         drafters[0].extend(source[0])
     record = Recorded() if generation_config.return_dict_in_generate else None
     rows = Rows.start(input_ids, generation_config.max_length, do_sample=do_sample, generator=call.generator)
-    sequences = decode(rows, forward, drafters, DraftPolicy(call.options.k), stopping_criteria=stopping_criteria,
-                       stats=call.stats, streamer=streamer, record=record, adaptive=call.options.adaptive,
-                       costs=call.costs)
+    try:
+        sequences = decode(rows, forward, drafters, DraftPolicy(call.options.k), stopping_criteria=stopping_criteria,
+                           stats=call.stats, streamer=streamer, record=record, adaptive=call.options.adaptive,
+                           costs=call.costs)
+    finally:  # on every way out (an error, Ctrl-C): a TextIteratorStreamer's reader would otherwise wait forever
+        if streamer is not None:
+            streamer.end()
     for _, corpus in call.sources:  # the memory stores this output for later requests
         corpus.remember(input_ids[0], sequences[0, input_ids.shape[1]:])
-    if streamer is not None:
-        streamer.end()
     if not generation_config.return_dict_in_generate:
         return sequences
     crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache

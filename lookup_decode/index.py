@@ -16,6 +16,9 @@ from lookup_decode.config import check_match
 from lookup_decode.draft import Draft
 
 _MAX_TOKEN_ID = 2**31 - 1
+# The kernels index tokens, states (2 per token) and edges (3 per token) with int32: past this many tokens
+# an edge id would wrap silently, so extend refuses first.
+MAX_TOKENS = (2**31 - 1 - 4) // 3
 
 
 def as_token_array(tokens, what: str = "token ids") -> np.ndarray:
@@ -82,41 +85,45 @@ class SuffixIndex:
         self.extend(tokens)
 
     def _alloc(self, cap_tokens: int) -> None:
+        self.__dict__.update(self._buffers(cap_tokens))
+        K.init_automaton(self._slen, self._slink, self._sfirst, self._shead, self._meta)
+
+    @staticmethod
+    def _buffers(cap_tokens: int) -> dict:
         cap_states = 2 * cap_tokens + 2
         cap_edges = 3 * cap_tokens + 4
         cap_hash = 1 << int(np.ceil(np.log2(2 * cap_edges)))
-        self._cap = cap_tokens
-        self._toks = np.zeros(cap_tokens, np.int32)
-        self._slen = np.zeros(cap_states, np.int32)
-        self._slink = np.zeros(cap_states, np.int32)
-        self._sfirst = np.zeros(cap_states, np.int32)
-        self._shead = np.zeros(cap_states, np.int32)
-        self._etok = np.zeros(cap_edges, np.int32)
-        self._eto = np.zeros(cap_edges, np.int32)
-        self._enext = np.zeros(cap_edges, np.int32)
-        self._hkey = np.full(cap_hash, -1, np.int64)
-        self._hval = np.zeros(cap_hash, np.int32)
-        self._meta = np.zeros(K.META_SIZE, np.int64)
-        K.init_automaton(self._slen, self._slink, self._sfirst, self._shead, self._meta)
+        return dict(_cap=cap_tokens, _toks=np.zeros(cap_tokens, np.int32), _slen=np.zeros(cap_states, np.int32),
+                    _slink=np.zeros(cap_states, np.int32), _sfirst=np.zeros(cap_states, np.int32),
+                    _shead=np.zeros(cap_states, np.int32), _etok=np.zeros(cap_edges, np.int32),
+                    _eto=np.zeros(cap_edges, np.int32), _enext=np.zeros(cap_edges, np.int32),
+                    _hkey=np.full(cap_hash, -1, np.int64), _hval=np.zeros(cap_hash, np.int32),
+                    _meta=np.zeros(K.META_SIZE, np.int64))
 
     def _grow(self, need_tokens: int) -> None:
-        """Double the buffers until `need_tokens` fit; amortized O(1) per token."""
+        """Double the buffers until `need_tokens` fit; amortized O(1) per token.
+
+        Exception safe: the new buffers are allocated, filled and rehashed aside and swapped in only
+        when complete, so a MemoryError (or Ctrl-C) half way leaves the index as it was."""
         cap = self._cap
         while cap < need_tokens:
             cap *= 2
-        old = self.__dict__.copy()
-        self._alloc(cap)
+        new = self._buffers(min(cap, max(MAX_TOKENS, need_tokens)))
         for name in ("_toks", "_slen", "_slink", "_sfirst", "_shead", "_etok", "_eto", "_enext"):
-            src = old[name]
-            getattr(self, name)[: src.shape[0]] = src
-        self._meta[:] = old["_meta"]
-        K.rehash(self._shead, self._etok, self._enext, int(self._meta[K.N_STATES]), self._hkey, self._hval)
+            src = getattr(self, name)
+            new[name][: src.shape[0]] = src
+        new["_meta"][:] = self._meta
+        K.rehash(new["_shead"], new["_etok"], new["_enext"], int(new["_meta"][K.N_STATES]), new["_hkey"], new["_hval"])
+        self.__dict__.update(new)
 
     def extend(self, tokens) -> None:
         """Append token ids (int [m]; list, numpy or torch) to the indexed text."""
         new = as_token_array(tokens)
         if new.size == 0:
             return
+        if len(self) + new.size > MAX_TOKENS:
+            raise ValueError(f"a SuffixIndex holds at most {MAX_TOKENS} tokens (int32 positions); it has "
+                             f"{len(self)} and {new.size} more were given")
         if len(self) + new.size > self._cap:
             self._grow(len(self) + new.size)
         K.extend(self._toks, self._slen, self._slink, self._sfirst, self._shead, self._etok, self._eto,

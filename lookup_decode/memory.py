@@ -101,6 +101,24 @@ class Memory(Corpus):
         self.evicted += len(gone)
         self._remove(gone)
 
+    def _load_keep(self, header: dict, lengths) -> list[bool]:
+        """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
+        metadata first, so a large file never gets indexed whole just to be cut down."""
+        keep = [True] * len(lengths)
+        held = sum(int(n) for n in lengths)
+        if held <= self.max_tokens:
+            return keep
+        budget = int(LOW_WATER * self.max_tokens)
+        order = sorted(range(len(lengths)), key=lambda i: (header["last_used"][i], header["accepted"][i],
+                                                           header["added"][i]))
+        for i in order:
+            if held <= budget:
+                break
+            keep[i] = False
+            held -= int(lengths[i])
+            self.evicted += 1
+        return keep
+
     def _after_load(self) -> None:
         if self._n_tokens > self.max_tokens:
             self._evict(int(LOW_WATER * self.max_tokens))
@@ -179,6 +197,12 @@ class References(Corpus):
 
     def remember(self, prompt, output) -> None:
         """References do not learn from requests."""
+
+    def _load_keep(self, header: dict, lengths) -> list[bool]:
+        held = sum(int(n) for n in lengths)
+        if self.max_tokens is not None and held > self.max_tokens:   # refused before indexing anything
+            raise ValueError(f"the saved references hold {held} tokens, more than max_tokens={self.max_tokens}")
+        return [True] * len(lengths)
 
     def _after_load(self) -> None:
         if self.max_tokens is not None and self._n_tokens > self.max_tokens:

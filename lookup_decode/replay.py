@@ -30,6 +30,7 @@ class RecordedForward:
 
     shapes = "chain"
     learns_cost = False             # its time is not a model's: the policy's cost curve stays as given
+    vocab = None                    # drafts are checked against the record, not a vocabulary
 
     def __init__(self, outputs: list[np.ndarray]):
         self.outputs = outputs          # int [n_b] per row: the true continuation after the row's prompt

@@ -27,6 +27,8 @@ class DecodeStats:
     model_s: float = 0.0                # verification forwards and acceptance
     proposer_s: float = 0.0             # index extend + propose + draft-length choice
     total_s: float = 0.0                # wall time of the whole call
+    keep_steps: int = 100_000           # per-step lists keep the latest this many steps (one DecodeStats may
+                                        # serve a server for days; every count above stays exact)
 
     def observe(self, drafted: int, accepted: int, *, tree: bool = False, off_chain: bool = False) -> None:
         self.steps += 1
@@ -36,10 +38,16 @@ class DecodeStats:
         self.accepted += accepted
         self.draft_lengths.append(drafted)
         self.accepted_lengths.append(accepted)
+        self._bound()
         if drafted > len(self.accepted_at):
             self.accepted_at.extend([0] * (drafted - len(self.accepted_at)))
         for i in range(accepted):
             self.accepted_at[i] += 1
+
+    def _bound(self) -> None:
+        if len(self.draft_lengths) > self.keep_steps:   # drop the oldest half of the allowance at once: O(1) amortized
+            drop = len(self.draft_lengths) - self.keep_steps // 2
+            del self.draft_lengths[:drop], self.accepted_lengths[:drop]
 
     @property
     def mean_accepted_length(self) -> float:
@@ -62,13 +70,14 @@ class DecodeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_lengths.extend(other.draft_lengths)
         self.accepted_lengths.extend(other.accepted_lengths)
+        self._bound()
         n = max(len(self.accepted_at), len(other.accepted_at))
         self.accepted_at = [(self.accepted_at[i] if i < len(self.accepted_at) else 0)
                             + (other.accepted_at[i] if i < len(other.accepted_at) else 0) for i in range(n)]
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["draft_lengths"], d["accepted_lengths"]
+        del d["draft_lengths"], d["accepted_lengths"], d["keep_steps"]
         d.update(mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
                  tokens_per_second=self.tokens_per_second)
         return d

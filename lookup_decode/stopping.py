@@ -57,12 +57,15 @@ class StopStrings(StoppingCriteria):
         for s in strings:
             self.automaton.add_word(s, s)
         self.automaton.make_automaton()
-        # A stop string spans at most len(s) tokens, plus one for byte-level tokens split mid-character.
-        self.window = max(len(s) for s in strings) + 2
+        # A stop string spans at most one token per UTF-8 byte (byte-level BPE may split every character),
+        # plus one token before it that may hold the first bytes of a split character.
+        self.window = max(len(s.encode("utf-8")) for s in strings) + 2
 
     def _found(self, row: torch.Tensor) -> bool:
         tail = row[-self.window:].tolist()
-        before = len(self.tokenizer.decode(tail[:-1]))
+        # A character split across tokens decodes as U+FFFD until its last byte arrives: that
+        # placeholder is not text yet, so a stop string completed by the last byte counts as new.
+        before = len(self.tokenizer.decode(tail[:-1]).rstrip("\ufffd"))
         text = self.tokenizer.decode(tail)
         return any(end + 1 > before for end, _ in self.automaton.iter(text))
 

@@ -38,6 +38,11 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     A token of probability 0 has an empty interval, so it is never drawn.
     """
     cdf = probs.to(torch.float64).cumsum(-1)                         # [r, V]
+    total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        # searchsorted would silently give token V - 1; plain sampling (torch.multinomial) raises.
+        raise ValueError("the sampling probabilities hold nan or inf (or are all 0): check the logits processors "
+                         "and the model's dtype")
     x = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return x.clamp_max(probs.shape[-1] - 1)
 

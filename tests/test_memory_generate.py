@@ -134,9 +134,9 @@ def test_wrong_kinds_are_refused(tiny_llama):
 def test_real_model_second_request_copies_from_memory(real_model):
     """A first chat, then a fresh chat re-asking the same question and a second turn re-asking for the
     earlier answer (MT-Redundant): identical to plain generate; the fresh chat's answer comes from memory."""
-    from benchmarks import workloads
+    from test_real_model import REQUESTS              # copied into tests/data: no ../shared/data needed
     model, tokenizer = real_model
-    req = workloads.mt_redundant()[0]
+    req = next(r for r in REQUESTS if r.category == "mt_redundant")
     memory = Memory(max_tokens=50_000)
     first = chat_ids(tokenizer, req.messages[0]["content"])
     a1 = lookup_decode.generate(model, first, max_new_tokens=40, do_sample=False, memory=memory)

@@ -1,26 +1,31 @@
-"""End to end on the real default model (SmolLM2-135M-Instruct) over prompts from ../shared/data."""
+"""End to end on the real default model (SmolLM2-135M-Instruct) over real prompts kept in tests/data.
+
+The prompts are copied into the repository (tests/data/README.md: sources and licences) so the suite runs
+in a clone without ../shared/data beside it.
+"""
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 
 import lookup_decode
-from benchmarks import workloads
 from lookup_decode import DecodeStats, models
 
 pytestmark = pytest.mark.real_model
 
 
-def _short(requests, n, max_chars=1800):
-    picked = [r for r in requests if len(r.messages[-1]["content"]) <= max_chars]
-    return picked[:n]
+def _requests():
+    path = Path(__file__).parent / "data" / "real_prompts.jsonl"
+    with open(path, encoding="utf-8") as f:
+        return [SimpleNamespace(**json.loads(line)) for line in f if line.strip()]
 
 
-CASES = ([("code_edit", r) for r in _short(workloads.nofuneval_edit(), 3)]
-         + [("editeval", r) for r in _short(workloads.editeval(), 1)]
-         + [("summarization", r) for r in _short(workloads.cnn_dm(), 2, max_chars=3500)])
+REQUESTS = _requests()
+CASES = [(r.category, r) for r in REQUESTS if r.category != "mt_redundant"]
 
 
 def _ids(tokenizer, request):

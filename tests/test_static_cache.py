@@ -49,7 +49,9 @@ class ForwardSizes:
         model.forward = forward
 
 
-STATIC_OK = sorted([*tiny_models.DECODER_ONLY, *tiny_models.ENCODER_DECODER, "lfm2"])
+# lfm2 (conv layers) on a static cache: refused since issue 16 (the fuzzer found other tokens than plain at
+# max_cache_len >= 256; see tests/test_failure_paths.py::test_static_cache_with_conv_layers_is_refused).
+STATIC_OK = sorted([*tiny_models.DECODER_ONLY, *tiny_models.ENCODER_DECODER])
 STATIC_REFUSED = sorted(set(tiny_models.WINDOWED) - {"lfm2"})
 
 
