@@ -422,12 +422,15 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
             kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **kwargs)
         started = True
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False        # ours is the one progress bar
+    ctx.print_on_execution_start = False
     try:
         ds = ray.data.from_items([{"item": json.dumps(item, ensure_ascii=False)} for item in pending])
         ds = ds.map_batches(RayWorker, fn_constructor_args=(job,), batch_size=job.batch_size,
-                            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1,
-                            # a dead actor is restarted and its unfinished batch retried on the new one
-                            max_restarts=-1, max_task_retries=-1)
+                            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1)
+        # Ray Data's actor pools default to max_restarts=-1 and max_task_retries=-1: a dead actor is
+        # restarted and its unfinished batch retried on the new one (tests/test_pipeline.py kills one).
         for row in ds.iter_rows():
             yield json.loads(row["record"])
     finally:
