@@ -138,6 +138,7 @@ def test_local_job_exact_with_errors_then_resume(tmp_path, model_dir, reference)
 
 
 def test_parquet_input_and_references(tmp_path, model_dir, reference):
+    pytest.importorskip("pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
     rows = good_rows(4)
