@@ -225,13 +225,10 @@ class Engine:
     """One model in one process; `run(items)` turns work items into output records (never raises for a record)."""
 
     def __init__(self, job: Job):
-        import torch
         import lookup_decode
-        from lookup_decode.models import load_model
-        if job.threads is not None:
-            torch.set_num_threads(job.threads)
+        from lookup_decode.models import load_quietly
         self.job = job
-        self.model, self.tokenizer = load_model(job.model)
+        self.model, self.tokenizer = load_quietly(job.model, job.threads)   # no GGUF progress bars
         self.tokenizer.padding_side = "left"
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV="${VENV:-${TMPDIR:-/tmp}/lookup-decode-transformers4}"
-TRANSFORMERS="${TRANSFORMERS:-transformers==4.56.*}"
+TRANSFORMERS="${TRANSFORMERS:-transformers==4.57.*}"
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install --quiet "torch==2.13.0" "$TRANSFORMERS" scipy
