@@ -282,11 +282,10 @@ class Engine:
             return [{"id": item["id"], "line": item["line"], "error": f"{type(e).__name__}: {e}"}]
 
     def _drafters(self, rows: int) -> list:
+        """The drafters generate() would build itself (hf._drafters), each wrapped to count its row's steps."""
         from lookup_decode.index import SuffixIndex
         from lookup_decode.sources import check_sources, with_sources
-        eos = self.model.generation_config.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        j = self.job
+        eos, j = _eos_ids(self.model), self.job
         drafters = [SuffixIndex(min_match=j.min_match, max_match=j.max_match, eos_token_ids=eos) for _ in range(rows)]
         if self.references is not None:
             drafters = [with_sources(d, check_sources(None, self.references), self.model.config.vocab_size,
