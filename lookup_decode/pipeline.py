@@ -6,7 +6,7 @@
 Input: one record per line (JSONL) or row (Parquet): `id` plus `prompt` (a string, sent as the user
 message through the chat template) or `messages` (chat messages), optional `max_new_tokens`.
 Output: JSONL, one line per record, appended as each record finishes:
-    {"id", "line", "text", "new_tokens", "prompt_tokens", "mean_accepted_length", "steps", "worker"}
+    {"id", "line", "text", "new_tokens", "prompt_tokens", "mean_accepted_length", "steps", "worker", "batch", "batch_s"}
 or, for a record that could not be run, {"id" (if it had one), "line", "error"}.
 
 Exactly once: the driver alone writes the output, each line with one `write` on a file opened with
@@ -241,6 +241,7 @@ class Engine:
                 self.references.register(str(p.relative_to(job.references)), p.read_text(encoding="utf-8",
                                          errors="replace"), tokenizer=self.tokenizer)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.batches = 0                  # generate calls so far
 
     def _ids(self, messages) -> list[int]:
         if self.tokenizer.chat_template is not None:
@@ -303,7 +304,7 @@ class Engine:
             input_ids[b, P - len(ids):] = torch.tensor(ids)
             mask[b, P - len(ids):] = 1
         kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad)
-        drafters = None
+        drafters, start = None, time.perf_counter()
         with torch.inference_mode():
             if self.job.plain:
                 out = self.model.generate(input_ids, **kwargs)
@@ -312,6 +313,7 @@ class Engine:
                 out = lookup_decode.generate(self.model, input_ids, proposer=drafters, k=self.job.k,
                                              min_match=self.job.min_match, max_match=self.job.max_match,
                                              adaptive=self.job.adaptive, **kwargs)
+        seconds, self.batches = time.perf_counter() - start, self.batches + 1
         eos = set(_eos_ids(self.model))
         records = []
         for b, (item, ids, _) in enumerate(group):
@@ -325,7 +327,9 @@ class Engine:
                 "new_tokens": len(new), "prompt_tokens": len(ids),
                 # tokens per verify step, the bonus token included (the prefill's first token excluded)
                 "mean_accepted_length": round((len(new) - 1) / steps, 4) if steps else (None if steps is None else 1.0),
-                "steps": steps, "worker": self.worker})
+                "steps": steps, "worker": self.worker,
+                # the generate call that made this record: its number on this worker and its seconds
+                "batch": self.batches, "batch_s": round(seconds, 4)})
         return records
 
 
