@@ -426,7 +426,9 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
     ctx.enable_progress_bars = False        # ours is the one progress bar
     ctx.print_on_execution_start = False
     try:
-        ds = ray.data.from_items([{"item": json.dumps(item, ensure_ascii=False)} for item in pending])
+        # One block per batch: a block's batches run in one task, so fewer blocks than actors would idle actors.
+        ds = ray.data.from_items([{"item": json.dumps(item, ensure_ascii=False)} for item in pending],
+                                 override_num_blocks=-(-len(pending) // job.batch_size))
         ds = ds.map_batches(RayWorker, fn_constructor_args=(job,), batch_size=job.batch_size,
                             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1)
         # Ray Data's actor pools default to max_restarts=-1 and max_task_retries=-1: a dead actor is

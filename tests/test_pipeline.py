@@ -232,4 +232,5 @@ def test_ray_actor_pool_exact_through_a_killed_actor(tmp_path, model_dir, refere
     assert [r["line"] for r in records if "error" in r] == [6]
     assert summary.done == len(rows)
     workers = {r["worker"] for r in records if "worker" in r}
+    assert len(workers) >= 2                                    # both actors (or an actor and its restart) ran
     assert f"{socket.gethostname()}:{killed['pid']}" in workers
