@@ -430,7 +430,10 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
         ds = ray.data.from_items([{"item": json.dumps(item, ensure_ascii=False)} for item in pending],
                                  override_num_blocks=-(-len(pending) // job.batch_size))
         ds = ds.map_batches(RayWorker, fn_constructor_args=(job,), batch_size=job.batch_size,
-                            compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=1)
+                            # one batch at a time per actor: a batch keeps its CPU busy, and a batch
+                            # queued behind another would wait while an idle actor could run it
+                            compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
+                            num_cpus=1)
         # Ray Data's actor pools default to max_restarts=-1 and max_task_retries=-1: a dead actor is
         # restarted and its unfinished batch retried on the new one (tests/test_pipeline.py kills one).
         for row in ds.iter_rows():
