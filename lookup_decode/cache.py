@@ -22,8 +22,13 @@ import inspect
 import torch
 
 from transformers import DynamicCache
-from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache,
-                                      LinearAttentionCacheLayerMixin)
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
+
+try:
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:     # transformers 4.56-4.57: no such layers, and no `is_croppable` (see _is_croppable)
+    class LinearAttentionCacheLayerMixin:
+        pass
 
 
 class UnsupportedCacheError(ValueError):
@@ -72,7 +77,7 @@ def check_croppable(cache, model) -> None:
         raise UnsupportedCacheError(f"{type(model).__name__}: expected a transformers Cache, got {type(cache).__name__}")
     layers = _layers(cache)
     bad = [type(layer).__name__ for layer in layers
-           if not isinstance(layer, LinearAttentionCacheLayerMixin) and not layer.is_croppable]
+           if not isinstance(layer, LinearAttentionCacheLayerMixin) and not _is_croppable(layer)]
     if layers and not any(isinstance(layer, CacheLayerMixin) for layer in layers):
         bad = [type(layer).__name__ for layer in layers]   # recurrent only (Mamba-like): no attention layer at all
     if bad:
@@ -92,10 +97,17 @@ def start_rollback(cache, model) -> None:
     Recording starts only now so a long prompt does not keep states a sliding-window layer would drop
     (transformers' generate does the same, for the same memory reason).
     """
-    bad = [type(layer).__name__ for layer in _layers(cache) if not layer.is_croppable]
+    bad = [type(layer).__name__ for layer in _layers(cache) if not _is_croppable(layer)]
     if bad:
         raise _refuse(cache, model, bad)
-    cache.activate_past_recording()
+    if hasattr(cache, "activate_past_recording"):   # transformers 4.x: only full-attention DynamicLayers get here
+        cache.activate_past_recording()
+
+
+def _is_croppable(layer) -> bool:
+    """transformers 5.x says it; 4.56-4.57 have no past recording, so only full-attention DynamicLayers roll back."""
+    croppable = getattr(layer, "is_croppable", None)
+    return type(layer) is DynamicLayer if croppable is None else bool(croppable)
 
 
 def crop(cache, n_remove: int) -> None:
@@ -105,6 +117,8 @@ def crop(cache, n_remove: int) -> None:
     """
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache   # its crop() refuses static caches; the cross-attention part never changes
+    if n_remove == 0 and not hasattr(cache, "activate_past_recording"):
+        return                               # transformers 4.x reads crop(-0) as crop(0): empty the cache
     cache.crop(-n_remove)
 
 

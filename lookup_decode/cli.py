@@ -3,6 +3,7 @@
     lookup-decode generate --prompt "Rewrite this file ..." --compare
     lookup-decode bench --prompts my_requests.jsonl
     lookup-decode chat --memory-file session.mem
+    lookup-decode run --input docs.jsonl --output out.jsonl [--ray --actors 4]
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +58,47 @@ def build_parser() -> argparse.ArgumentParser:
     from lookup_decode import bench
     b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
     bench.add_arguments(b)
+
+    r = sub.add_parser("run", help="a resumable batch job: JSONL/Parquet records in, JSONL results out (local or Ray)")
+    _add_run_args(r)
+    _add_model_args(r)
+    _add_lookup_args(r)
     return parser
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, help="JSONL or .parquet: records with 'id' and 'prompt' or 'messages' "
+                   "(optional 'max_new_tokens')")
+    p.add_argument("--output", required=True, help="JSONL, appended per record; re-running skips ids already there")
+    p.add_argument("--batch-size", type=int, default=4, help="records per generate call (default 4)")
+    p.add_argument("--references", default=None, help="folder of text files every record may copy from")
+    p.add_argument("--plain", action="store_true", help="plain batched model.generate (no lookup): a baseline")
+    p.add_argument("--ray", action="store_true", help="run on Ray Data: an actor pool, one model per actor")
+    p.add_argument("--ray-address", default=None, help="an existing Ray cluster (implies --ray; default: start "
+                   "a local one)")
+    p.add_argument("--actors", type=int, default=1, help="Ray actors (1 CPU each; default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_run(args) -> int:
+    from lookup_decode.pipeline import Job, run
+    _validate(args)
+    for name in ("batch_size", "actors"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"lookup-decode: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.references is not None and not Path(args.references).is_dir():
+        raise SystemExit(f"lookup-decode: --references {args.references!r} is not a folder")
+    job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+              threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
+              k=args.k, min_match=args.min_match, max_match=args.max_match, adaptive=not args.no_adaptive,
+              references=args.references, plain=args.plain)
+    try:
+        summary = run(job, args.input, args.output, use_ray=args.ray or args.ray_address is not None,
+                      ray_address=args.ray_address, actors=args.actors, progress=not args.no_progress)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"lookup-decode: {e}")
+    print(f"--- {summary.line()}", file=sys.stderr)
+    return 0
 
 
 def _read_prompt(args) -> str:
@@ -172,6 +214,8 @@ def main(argv=None, loaded=None) -> int:
     if args.command == "chat":
         from lookup_decode.chat import cmd_chat
         return cmd_chat(args)
+    if args.command == "run":
+        return cmd_run(args)
     from lookup_decode import bench
     return bench.run(args)
 

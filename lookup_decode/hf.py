@@ -33,6 +33,8 @@ from lookup_decode.stopping import eos_ids
 from lookup_decode.verify import Rules
 
 _OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
+# The output's cache field: `cache` in transformers 5.x, `past_key_values` in 4.56-4.57.
+_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
 def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
@@ -225,7 +227,7 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         sequences=sequences,
         scores=tuple(record.scores) if generation_config.output_scores else None,
         logits=tuple(record.logits) if generation_config.output_logits else None,
-        cache=cache)
+        **{_CACHE_FIELD: cache})
 
 
 def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,
