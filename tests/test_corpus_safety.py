@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from lookup_decode import _kernels as K
+from lookup_decode import automaton as K
 from lookup_decode import index as index_module
 from lookup_decode.corpus import CorpusFileError
 from lookup_decode.index import SuffixIndex
