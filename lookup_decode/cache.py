@@ -123,7 +123,7 @@ def crop(cache, n_remove: int) -> None:
 
 
 def check_batchable(cache, model) -> None:
-    """Batches keep masked hole columns (batch.py): only full-attention DynamicLayers index keys by column.
+    """Batches keep masked hole columns (forward.BatchForward): only full-attention DynamicLayers index keys by column.
 
     A sliding window counts columns, not a row's own tokens, and an encoder-decoder or static cache
     has its own layout, so these raise UnsupportedCacheError for batch > 1 (one row at a time works).

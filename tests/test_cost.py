@@ -120,4 +120,6 @@ def test_second_process_pays_no_calibration_forwards(tiny_llama, tmp_path):
         handle.remove()
     assert outs[0].tolist() == outs[1].tolist()
     assert extra == [2 * len(QUICK_SIZES), 0]
-    assert isinstance(CostModel(tmp_path).curve(tiny_llama, 33, None), CostCurve)
+    # A new process asking for what the call needed (its widest forward: 20 new tokens after 17 -> 19 wide)
+    # gets the curve from disk without timing anything (seconds_of=None would raise if it were called).
+    assert isinstance(CostModel(tmp_path).curve(tiny_llama, 33, None, fit=19), CostCurve)
