@@ -18,9 +18,12 @@ lookup decoding uses `COSTS` unless given another, and `COSTS.reset()` forgets w
 Cold start: a first call does not time a whole grid of sizes. A one-sequence curve starts from a *prior*
 built from the model's shape (`prior_seconds`: weights read once per forward, 2 flops per parameter and
 token, a fixed launch cost per layer, on a memory-bound or compute-bound device), corrected by a few
-forwards (`QUICK_SIZES`), then refined online by every step. Curves are cached on disk per model
-shape, device, dtype and batch rows (`DiskCache`: `$LOOKUP_DECODE_COST_CACHE`, default
-~/.cache/lookup_decode/costs; "off" disables it), so a later process starts from what was measured.
+forwards (`QUICK_SIZES`), then refined online by every step. Curves can be cached on disk per model
+shape, device, dtype and batch rows (`DiskCache`, opt-in: set `$LOOKUP_DECODE_COST_CACHE` to a folder), so a
+later process starts from what was measured. Off by default: a curve measured while the machine was busy
+would persist, and a curve that prices drafts out is never corrected (a step that does not draft only
+re-times width 1) — a forced replay on a quiet machine drafted nothing with such a cached curve and 7 tokens
+per step without it (benchmarks/results/forced_replay/README.md).
 """
 
 from __future__ import annotations
@@ -208,8 +211,8 @@ class CostModel:
     """
 
     def __init__(self, cache_dir: str | os.PathLike | None = None, *, full: bool = False):
-        """cache_dir: where curves persist (default: $LOOKUP_DECODE_COST_CACHE, else ~/.cache/lookup_decode/costs;
-        "off" = nowhere); full: time every size in SIZES on a cold start instead of the prior + QUICK_SIZES."""
+        """cache_dir: where curves persist (default: $LOOKUP_DECODE_COST_CACHE if set, else nowhere; "off" =
+        nowhere); full: time every size in SIZES on a cold start instead of the prior + QUICK_SIZES."""
         self._lock = threading.Lock()
         self._by_model: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
         self.disk = DiskCache(cache_dir)
@@ -306,9 +309,7 @@ class DiskCache:
 
     def path(self) -> Path | None:
         folder = self.folder if self.folder is not None else os.environ.get(CACHE_ENV)
-        if folder is None:
-            folder = Path.home() / ".cache" / "lookup_decode" / "costs"
-        return None if str(folder).lower() in ("off", "") else Path(folder)
+        return None if folder is None or str(folder).lower() in ("off", "") else Path(folder)
 
     @staticmethod
     def name(model, key: tuple) -> str:
