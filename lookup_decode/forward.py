@@ -25,9 +25,9 @@ import torch
 
 from lookup_decode.cache import cache_argument, compact, crop, full_attention, keep_tree_path, start_rollback
 from lookup_decode.cost import timed
-from lookup_decode.draft import EMPTY, kept_prefix
+from lookup_decode.draft import EMPTY
 from lookup_decode.policy import BUCKETS
-from lookup_decode.verify import Processors, Rules, verify_row, verify_tree
+from lookup_decode.verify import Processors, Rules, accept_greedy_rows, verify_row, verify_tree
 
 
 class _Model:
@@ -50,8 +50,8 @@ class _Model:
             kwargs["logits_to_keep"] = n_logits
         return self.model(**kwargs).logits[:, -n_logits:].to(torch.float32)
 
-    def accept(self, rows, i: int, b: int, draft, logits, scored: torch.Tensor | None = None):
-        """Verification of row b (the i-th active row): (emitted long [m + 1], score rows, raw logits rows).
+    def accept(self, rows, b: int, draft, logits, scored: torch.Tensor | None = None):
+        """Verification of row b: (emitted long [m + 1], score rows, raw logits rows).
         scored: the logits after the prefix-free processors, when the caller ran them for all rows at once."""
         cur = rows.cur[b]
         u = None if rows.uniforms is None else rows.uniforms[b, cur - rows.prompt_len:]
@@ -117,7 +117,7 @@ class SequenceForward(_Model):
     def prefill(self, rows):
         logits = self(rows.ids[:, : rows.cur[0]], 1)
         start_rollback(self.cache, self.model)      # from here on every forward can be rolled back
-        return [self.accept(rows, 0, 0, EMPTY, logits)]
+        return [self.accept(rows, 0, EMPTY, logits)]
 
     def calibrate(self, rows, costs, k: int):
         """The model's live cost curve (measured now, after the prompt, if this model has none yet)."""
@@ -141,7 +141,7 @@ class SequenceForward(_Model):
         n = len(draft)
         if draft.parents is None:
             ids[0, cur: cur + n] = torch.from_numpy(draft.tokens).to(ids.device)
-            verified = self.accept(rows, 0, 0, draft, self(ids[:, cur - 1: cur + n], n + 1))
+            verified = self.accept(rows, 0, draft, self(ids[:, cur - 1: cur + n], n + 1))
             self._undo, self._tree = n - (verified[0].numel() - 1), None
             return [verified]
         # A tree: one forward over [last token, nodes], each node at position last + depth.
@@ -183,7 +183,7 @@ class BatchForward(_Model):
         P = rows.prompt_len
         prefill_pos = (self.mask.to(torch.long).cumsum(-1) - 1).clamp_min(0)
         logits = self(rows.ids[:, :P], self.mask, prefill_pos, 1)
-        return [self.accept(rows, i, b, EMPTY, logits[i]) for i, b in enumerate(rows.active)]
+        return [self.accept(rows, b, EMPTY, logits[i]) for i, b in enumerate(rows.active)]
 
     def calibrate(self, rows, costs, k: int):
         """Relative cost of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
@@ -217,20 +217,15 @@ class BatchForward(_Model):
         logits = self(x, torch.cat([self.mask, new_valid], 1), positions, w)
         self._width = w
         if not self.do_sample and not self.processors:
-            # Greedy: every row's targets cross to the host in one transfer; acceptance runs there.
-            targets = logits.argmax(-1).cpu()                                  # long [A, w]
-            out = []
-            for i, d in enumerate(drafts):
-                kept = kept_prefix(d.tokens, targets[i, : len(d)].numpy())
-                out.append((targets[i, : kept + 1], logits[i, : len(d) + 1], logits[i, : len(d) + 1]))
-            return out
+            emitted = accept_greedy_rows(drafts, logits)
+            return [(e, logits[i, : len(d) + 1], logits[i, : len(d) + 1]) for i, (e, d) in enumerate(zip(emitted, drafts))]
         scored = [None] * len(drafts)
         if self.processors.at_once and not self.processors.per_row:
             # Prefix-free processors (temperature, top-k/p, min-p): one call over every row's verified
             # positions (padding columns left out) instead of one per row and position.
             flat = self.processors.tail(logits[new_valid])                # [sum(n_draft + 1), V], row-major
             scored = list(flat.split([len(d) + 1 for d in drafts]))
-        return [self.accept(rows, i, b, d, logits[i, : len(d) + 1], scored[i])
+        return [self.accept(rows, b, d, logits[i, : len(d) + 1], scored[i])
                 for i, (b, d) in enumerate(zip(rows.active, drafts))]
 
     def rollback(self, kept: list[int]) -> None:

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lookup_decode.stopping import eos_ids
+
 
 @dataclass
 class Job:
@@ -286,7 +288,7 @@ class Engine:
         """The drafters generate() would build itself (hf._drafters), each wrapped to count its row's steps."""
         from lookup_decode.index import SuffixIndex
         from lookup_decode.sources import check_sources, with_sources
-        eos, j = _eos_ids(self.model), self.job
+        eos, j = eos_ids(self.model.generation_config), self.job
         drafters = [SuffixIndex(min_match=j.min_match, max_match=j.max_match, eos_token_ids=eos) for _ in range(rows)]
         if self.references is not None:
             drafters = [with_sources(d, check_sources(None, self.references), self.model.config.vocab_size,
@@ -314,7 +316,7 @@ class Engine:
                                              min_match=self.job.min_match, max_match=self.job.max_match,
                                              adaptive=self.job.adaptive, **kwargs)
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
-        eos = set(_eos_ids(self.model))
+        eos = set(eos_ids(self.model.generation_config))
         records = []
         for b, (item, ids, _) in enumerate(group):
             new = out[b, P:].tolist()
@@ -331,11 +333,6 @@ class Engine:
                 # the generate call that made this record: its number on this worker and its seconds
                 "batch": self.batches, "batch_s": round(seconds, 4)})
         return records
-
-
-def _eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 # ------------------------------------------------------------------------------------------ driver

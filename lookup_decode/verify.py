@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lookup_decode.draft import kept_prefix
+
 
 def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """draft: long [n]; scores: float [n + 1, V]. Returns long [m + 1], m = drafts kept.
@@ -30,6 +32,13 @@ def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     agree = (target[:-1] == draft.cpu()).to(torch.int64).cumprod(0)   # 1 until the first disagreement
     n_kept = int(agree.sum())
     return target[: n_kept + 1]
+
+
+def accept_greedy_rows(drafts, logits: torch.Tensor) -> list[torch.Tensor]:
+    """accept_greedy for a padded batch: drafts (a chain `Draft` per row), logits float [A, w, V]. Every row's
+    targets cross to the host in one transfer. Returns the emitted tokens of each row, long [m_i + 1] on the CPU."""
+    targets = logits.argmax(-1).cpu()                                           # long [A, w]
+    return [targets[i, : kept_prefix(d.tokens, targets[i, : len(d)].numpy()) + 1] for i, d in enumerate(drafts)]
 
 
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from lookup_decode.index import SuffixIndex
 from lookup_decode.memory import Memory, References
 from lookup_decode.policy import DraftPolicy
 from lookup_decode.sources import MEMORY, REFERENCES, SourcesProposer
+from lookup_decode.stopping import eos_ids
 
 ENV_PREFIX = "LOOKUP_DECODE_"
 
@@ -164,11 +165,7 @@ def _vocab_size(vllm_config) -> int | None:
 
 
 def _eos_ids(vllm_config) -> tuple[int, ...]:
-    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return tuple(eos_ids(getattr(getattr(vllm_config, "model_config", None), "hf_config", None)))
 
 
 def fingerprints(token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
