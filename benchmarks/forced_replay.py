@@ -53,6 +53,12 @@ SHAPES = {
                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                  rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
                                  use_sliding_window=False, rms_norm_eps=1e-6)),
+    # A small model with a 262k vocabulary (google/gemma-3-270m): the logits dominate its step.
+    "gemma-3-270m": ("gemma3_text", dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                         num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                         vocab_size=262144, sliding_window=512, max_position_embeddings=32768,
+                                         rope_theta=1000000.0, query_pre_attn_scalar=256, tie_word_embeddings=True,
+                                         rms_norm_eps=1e-6)),
     # Seconds-long shapes for tests and dry runs.
     "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=49152, max_position_embeddings=8192,

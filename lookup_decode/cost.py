@@ -88,6 +88,12 @@ class CostCurve:
             raise ValueError(f"cost of {n} tokens asked, but the curve was measured up to {self.max_n}")
         return self.shape[n] * self.scale
 
+    def prices(self, max_n: int) -> np.ndarray:
+        """float64 [max_n]: the cost of n = 1..max_n tokens, as __call__ gives them one by one."""
+        if max_n > self.max_n:
+            raise ValueError(f"cost of {max_n} tokens asked, but the curve was measured up to {self.max_n}")
+        return self.shape[1: max_n + 1] * self.scale
+
     def observe(self, rows: int, n: int, seconds: float) -> None:
         if n > self.max_n or seconds <= 0:
             return
@@ -108,6 +114,12 @@ class BatchCost:
 
     def __call__(self, w: int) -> float:
         return float(self.relative[w])
+
+    def prices(self, max_w: int) -> np.ndarray:
+        """float64 [max_w]: the relative cost of widths 1..max_w."""
+        if max_w > self.max_w:
+            raise IndexError(f"cost of width {max_w} asked, but it was measured up to {self.max_w}")
+        return self.relative[1: max_w + 1].copy()
 
     def observe(self, rows: int, w: int, seconds: float) -> None:
         if seconds <= 0 or not 1 <= w <= self.max_w:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lookup_decode.cost import COSTS
 from lookup_decode.draft import checked
 from lookup_decode.stats import DecodeStats
-from lookup_decode.stopping import first_stop
+from lookup_decode.stopping import first_stops
 
 
 _FIRST_COLUMNS = 256      # columns past the prompt allocated at the start; more as rows grow
@@ -70,6 +71,19 @@ class Rows:
                               generator=self.generator, dtype=torch.float64, device=where)
             self.uniforms = torch.cat([self.uniforms, more.to(self.ids.device)], 1)
 
+    def write(self, tokens: list[torch.Tensor], at: list[int]) -> None:
+        """Write tokens[i] into the i-th active row from column at[i]: one indexed copy for all rows."""
+        lengths = [len(t) for t in tokens]
+        if len(tokens) == 1:
+            self.ids[self.active[0], at[0]: at[0] + lengths[0]] = tokens[0].to(self.ids.device)
+            return
+        lengths, at = np.array(lengths), np.array(at)
+        # Row i's j-th token goes to (active[i], at[i] + j): flat offsets minus each row's first flat offset.
+        row = np.repeat(self.active, lengths)
+        col = np.arange(lengths.sum()) + np.repeat(at - (np.cumsum(lengths) - lengths), lengths)
+        device = self.ids.device
+        self.ids[torch.from_numpy(row).to(device), torch.from_numpy(col).to(device)] = torch.cat(tokens).to(device)
+
     def room(self, b: int) -> int:
         """Draft tokens row b may still verify: the step also emits one target token."""
         return self.max_length - self.cur[b] - 1
@@ -92,21 +106,21 @@ def commit(rows: Rows, verified, drafters, stopping_criteria, streamer=None, rec
     """Write each active row's emitted tokens, stopping exactly where plain decoding would (stopping
     criteria after every token); feed them to the row's drafter. Returns the indices (into
     rows.active) of the rows that go on."""
+    emitted = [v[0] for v in verified]
+    starts = [rows.cur[b] for b in rows.active]
+    rows.write(emitted, starts)
+    stops = first_stops(stopping_criteria, rows.ids, rows.active, starts, emitted)
     alive = []
-    for i, b in enumerate(rows.active):
-        emitted, scores, logits = verified[i]
-        c, n = rows.cur[b], emitted.numel()
-        rows.ids[b, c: c + n] = emitted
-        stop_at = first_stop(stopping_criteria, rows.ids[b: b + 1], c, c + n)
-        if stop_at is not None:
-            n = stop_at - c + 1
+    for i, (b, c, tokens, stop_at) in enumerate(zip(rows.active, starts, emitted, stops)):
+        n = tokens.numel() if stop_at is None else stop_at - c + 1
         if record is not None:
+            _, scores, logits = verified[i]
             # Copies: a view would keep the whole [k + 1, V] verify block alive per token.
             record.scores.extend(scores[j: j + 1].clone() for j in range(n))
             record.logits.extend(logits[j: j + 1].clone() for j in range(n))
         if streamer is not None:
-            streamer.put(rows.ids[b, c: c + n].cpu())
-        drafters[b].extend(emitted[:n])          # the same tokens, already on the host (verify.accept_*)
+            streamer.put(tokens[:n].cpu())
+        drafters[b].extend(tokens[:n])          # the same tokens, already on the host (verify.accept_*)
         rows.cur[b] = c + n
         if stop_at is None and rows.room(b) >= 0:
             alive.append(i)
@@ -141,10 +155,11 @@ def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: Decode
     width, n_rows = 1 + max(len(d) for d in drafts), len(rows.active)
     alive = commit(rows, verified, drafters, stopping_criteria, streamer, record)
     # 6. Learn: acceptance from the whole proposals (even unverified ones), cost from this forward.
-    for full, draft, v, k in zip(fulls, drafts, verified, kept):
-        stats.observe(len(draft), k, tree=draft.parents is not None,
-                      off_chain=draft.parents is not None and k > 0 and int(v[0][0]) != int(draft.tokens[0]))
-        policy.observe(full, v[0].cpu().numpy())
+    emitted = [v[0].cpu().numpy() for v in verified]
+    stats.observe_rows([len(d) for d in drafts], kept, trees=sum(d.parents is not None for d in drafts),
+                       off_chain=sum(d.parents is not None and k > 0 and e[0] != d.tokens[0]
+                                     for d, k, e in zip(drafts, kept, emitted)))
+    policy.observe_rows(fulls, emitted)
     if policy.cost is not None and forward.learns_cost:
         policy.cost.observe(n_rows, width, verify_s)
     if len(alive) < n_rows:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import os
 
+import numpy as np
 import torch
 
 from lookup_decode.cache import cache_argument, compact, crop, full_attention, keep_tree_path, start_rollback
@@ -201,14 +202,16 @@ class BatchForward(_Model):
     def verify(self, rows, drafts):
         device = rows.ids.device
         w = 1 + max(len(d) for d in drafts)
-        x = torch.full((len(drafts), w), 0, dtype=torch.long, device=device)
-        for i, (b, d) in enumerate(zip(rows.active, drafts)):
-            tokens = torch.from_numpy(d.tokens).to(device)
-            c = rows.cur[b]
-            x[i, 0] = rows.ids[b, c - 1]
-            x[i, 1: 1 + len(d)] = tokens
-            rows.ids[b, c: c + len(d)] = tokens
-        n_draft = torch.tensor([len(d) for d in drafts], device=device)
+        # The forward's input [last token, draft, padding] of every row, built on the host and sent at once.
+        lengths = np.array([len(d) for d in drafts])
+        host = np.zeros((len(drafts), w), np.int64)
+        for i, d in enumerate(drafts):
+            host[i, 1: 1 + len(d)] = d.tokens
+        x = torch.from_numpy(host).to(device)       # on the CPU the same memory as host: host[:, 1:] is unchanged
+        active = torch.tensor(rows.active, device=device)
+        x[:, 0] = rows.ids[active, torch.tensor([rows.cur[b] - 1 for b in rows.active], device=device)]
+        rows.write([row[1: 1 + len(d)] for row, d in zip(x, drafts)], [rows.cur[b] for b in rows.active])
+        n_draft = torch.from_numpy(lengths).to(device)
         cols = torch.arange(w, device=device)
         new_valid = cols[None, :] <= n_draft[:, None]                      # [A, w]: padding columns are masked
         # A padding column is masked out for good, but its position id is still looked up (learned position
@@ -217,8 +220,8 @@ class BatchForward(_Model):
         logits = self(x, torch.cat([self.mask, new_valid], 1), positions, w)
         self._width = w
         if not self.do_sample and not self.processors:
-            emitted = accept_greedy_rows(drafts, logits)
-            return [(e, logits[i, : len(d) + 1], logits[i, : len(d) + 1]) for i, (e, d) in enumerate(zip(emitted, drafts))]
+            emitted = accept_greedy_rows(host[:, 1:], lengths, logits)
+            return [(e, row, row) for e, row in zip(emitted, (logits[i, : n + 1] for i, n in enumerate(lengths)))]
         scored = [None] * len(drafts)
         if self.processors.at_once and not self.processors.per_row:
             # Prefix-free processors (temperature, top-k/p, min-p): one call over every row's verified

@@ -31,18 +31,24 @@ class DecodeStats:
                                         # serve a server for days; every count above stays exact)
 
     def observe(self, drafted: int, accepted: int, *, tree: bool = False, off_chain: bool = False) -> None:
-        self.steps += 1
-        self.tree_steps += int(tree)
+        self.observe_rows([drafted], [accepted], trees=int(tree), off_chain=int(off_chain))
+
+    def observe_rows(self, drafted: list[int], accepted: list[int], *, trees: int = 0, off_chain: int = 0) -> None:
+        """One step of every row of a batch (each row counts as a step; trees/off_chain: how many rows)."""
+        self.steps += len(drafted)
+        self.tree_steps += int(trees)
         self.off_chain += int(off_chain)
-        self.drafted += drafted
-        self.accepted += accepted
-        self.draft_lengths.append(drafted)
-        self.accepted_lengths.append(accepted)
+        self.drafted += sum(drafted)
+        self.accepted += sum(accepted)
+        self.draft_lengths.extend(drafted)
+        self.accepted_lengths.extend(accepted)
         self._bound()
-        if drafted > len(self.accepted_at):
-            self.accepted_at.extend([0] * (drafted - len(self.accepted_at)))
-        for i in range(accepted):
-            self.accepted_at[i] += 1
+        longest = max(drafted, default=0)
+        if longest > len(self.accepted_at):
+            self.accepted_at.extend([0] * (longest - len(self.accepted_at)))
+        for a in accepted:
+            for i in range(a):
+                self.accepted_at[i] += 1
 
     def _bound(self) -> None:
         if len(self.draft_lengths) > self.keep_steps:   # drop the oldest half of the allowance at once: O(1) amortized

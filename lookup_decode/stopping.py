@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ahocorasick
 import torch
-from transformers import StoppingCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 
 def eos_ids(eos) -> list[int]:
@@ -39,6 +40,47 @@ def first_stop(stopping_criteria, ids: torch.Tensor, start: int, end: int, score
         if bool(stopping_criteria(ids[:, : j + 1], scores).any()):
             return j
     return None
+
+
+def first_stops(stopping_criteria, ids: torch.Tensor, rows: list[int], starts: list[int],
+                emitted: list[torch.Tensor]) -> list[int | None]:
+    """`first_stop` of several rows: row rows[i] emitted tokens `emitted[i]` at columns starts[i].. of ids.
+
+    The two criteria generate builds from its config — max length and EOS — are answered for every row
+    and token at once (exactly what each would say of ids[row, : j + 1]: a length, or the token at j);
+    any other criterion is asked row by row and token by token, up to the first stop found so far."""
+    if not stopping_criteria:
+        return [None] * len(rows)
+    longest = max(s + len(e) for s, e in zip(starts, emitted))
+    max_length, eos, other = None, [], []
+    for c in stopping_criteria:
+        # Past the model's context MaxLengthCriteria also logs plain's warning: then it is asked like any other.
+        if type(c) is MaxLengthCriteria and (c.max_position_embeddings is None or longest <= c.max_position_embeddings):
+            max_length = c.max_length if max_length is None else min(max_length, c.max_length)
+        elif type(c) is EosTokenCriteria:
+            eos.append(c.eos_token_id.reshape(-1).cpu())
+        else:
+            other.append(c)
+    hits = torch.isin(torch.cat(emitted).cpu(), torch.cat(eos)).tolist() if eos else None
+    found: list[int | None] = []
+    at = 0
+    for s, e in zip(starts, emitted):
+        n, stop = len(e), None
+        if max_length is not None and s + n >= max_length:
+            stop = max(s, max_length - 1)                   # ids[:, : j + 1] is max_length long at j
+        if hits is not None and True in hits[at: at + n]:
+            j = s + hits[at: at + n].index(True)
+            stop = j if stop is None else min(stop, j)
+        at += n
+        found.append(stop)
+    if other:
+        other = StoppingCriteriaList(other)
+        for i, (b, s, e) in enumerate(zip(rows, starts, emitted)):
+            # Up to and including the token where max length or EOS stops: plain asks every criterion there too
+            # (a criterion may count or time tokens).
+            j = first_stop(other, ids[b: b + 1], s, s + len(e) if found[i] is None else found[i] + 1)
+            found[i] = found[i] if j is None else j
+    return found
 
 
 class StopStrings(StoppingCriteria):

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lookup_decode.draft import kept_prefix
 
 
 def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -34,11 +33,15 @@ def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return target[: n_kept + 1]
 
 
-def accept_greedy_rows(drafts, logits: torch.Tensor) -> list[torch.Tensor]:
-    """accept_greedy for a padded batch: drafts (a chain `Draft` per row), logits float [A, w, V]. Every row's
-    targets cross to the host in one transfer. Returns the emitted tokens of each row, long [m_i + 1] on the CPU."""
+def accept_greedy_rows(drafts: np.ndarray, lengths: np.ndarray, logits: torch.Tensor) -> list[torch.Tensor]:
+    """accept_greedy for a padded batch: drafts int [A, w - 1] (row i's chain in its first lengths[i] columns),
+    logits float [A, w, V]. Every row's targets cross to the host in one transfer and all rows are compared
+    at once. Returns the emitted tokens of each row, long [m_i + 1] on the CPU."""
     targets = logits.argmax(-1).cpu()                                           # long [A, w]
-    return [targets[i, : kept_prefix(d.tokens, targets[i, : len(d)].numpy()) + 1] for i, d in enumerate(drafts)]
+    cols = np.arange(drafts.shape[1])
+    agree = (targets[:, :-1].numpy() == drafts) & (cols[None, :] < lengths[:, None])
+    kept = np.cumprod(agree, axis=1).sum(1)                                     # the first disagreement ends a row
+    return [targets[i, : int(m) + 1] for i, m in enumerate(kept)]
 
 
 def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,16 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import lookup_decode
 import reference
 from conftest import VOCAB, make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats, Draft
+from lookup_decode.stopping import first_stop, first_stops
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -226,3 +231,43 @@ def test_stats_add_up_across_calls(tiny_llama):
     for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted"):
         assert getattr(twice, name) == 2 * getattr(once, name), name
     assert twice.new_tokens == 1 * 2 + twice.steps + twice.accepted
+
+
+class _EveryThird(StoppingCriteria):
+    """A user criterion transformers does not know: stop where the row's length is a multiple of 3. Records
+    the lengths it was asked about (plain asks every criterion after every token, up to the stop)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.asked.extend([input_ids.shape[1]] * input_ids.shape[0])
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] % 3 == 0, dtype=torch.bool)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_first_stops_of_a_batch_equal_asking_every_row_and_token(data):
+    # Reference: the criteria asked of each row after each token, as plain decoding asks them.
+    rows = data.draw(st.integers(1, 6))
+    starts = data.draw(st.lists(st.integers(3, 12), min_size=rows, max_size=rows))
+    emitted = [torch.tensor(data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=6)), dtype=torch.long)
+               for _ in range(rows)]
+    criteria = StoppingCriteriaList()
+    if data.draw(st.booleans()):
+        criteria.append(MaxLengthCriteria(data.draw(st.integers(4, 20))))
+    if data.draw(st.booleans()):
+        criteria.append(EosTokenCriteria(data.draw(st.sampled_from([3, [3, 4], torch.tensor([5])]))))
+    user = _EveryThird() if data.draw(st.booleans()) else None
+    if user is not None:
+        criteria.append(user)
+    ids = torch.randint(0, 6, (rows, 24))
+    for b, (s, e) in enumerate(zip(starts, emitted)):
+        ids[b, s: s + len(e)] = e
+    expected = [first_stop(criteria, ids[b: b + 1], s, s + len(e)) for b, (s, e) in enumerate(zip(starts, emitted))]
+    asked = sorted(user.asked) if user is not None else None
+    if user is not None:
+        user.asked.clear()
+    assert first_stops(criteria, ids, list(range(rows)), starts, emitted) == expected
+    if user is not None:
+        assert sorted(user.asked) == asked

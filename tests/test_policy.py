@@ -89,3 +89,34 @@ def test_tree_budget_uses_only_free_tokens():
     for n in range(0, 32):
         m = dip.tree_budget(n)
         assert m >= n and dip.cost(m + 1) <= dip.cost(n + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 3), max_size=12),
+                               st.lists(st.integers(0, 3), max_size=12)), min_size=1, max_size=20))
+def test_observing_a_batch_at_once_equals_observing_rows_in_turn(rows):
+    drafts = [Draft(np.array(chain, np.int32), match_len) for match_len, chain, _ in rows]
+    emitted = [np.array(e, np.int64) for _, _, e in rows]
+    one_by_one, at_once = DraftPolicy(16), DraftPolicy(16)
+    for d, e in zip(drafts, emitted):
+        one_by_one.observe_rows([d], [e])
+    at_once.observe_rows(drafts, emitted)
+    assert np.allclose(at_once.first, one_by_one.first, rtol=1e-12)
+    assert np.allclose(at_once.later, one_by_one.later, rtol=1e-12)
+
+
+def test_buckets_of_many_equal_bucket_of_each():
+    from lookup_decode.policy import buckets
+    lens = np.array([0, 1, 2, 3, 4, 7, 8, 127, 128, 129, 2**20, 2**31 - 1])
+    assert buckets(lens).tolist() == [bucket(int(m)) for m in lens]
+
+
+def test_choosing_for_a_batch_equals_the_sum_of_each_rows_gain():
+    cost = CostCurve([1, 8, 33], [1.0, 1.3, 2.5], 33)
+    policy = DraftPolicy(32, cost)
+    rng = np.random.default_rng(0)
+    drafts = [Draft(np.zeros(int(rng.integers(0, 33)), np.int32), int(rng.integers(0, 80))) for _ in range(24)]
+    max_d = max(len(d) for d in drafts)
+    gain = sum(policy.expected_emitted(d.match_len, max_d)[np.minimum(np.arange(max_d + 1), len(d))] for d in drafts)
+    rate = gain / np.array([cost(w) for w in range(1, max_d + 2)])
+    assert policy.choose(drafts) == int(np.argmax(rate)) + 1
