@@ -265,8 +265,8 @@ class CostModel:
 
     def batch(self, model, rows: int, max_w: int, seconds_of: Callable[[int], float],
               fit: int | None = None) -> BatchCost:
-        """Relative costs of widths 1..max_w for `rows` rows: known, cached on disk, or measured now
-        (fit: as in curve)."""
+        """Relative costs of widths 1..max_w for `rows` rows: known, cached on disk, or the shape prior corrected
+        by a few forwards of this batch (`full=True`: the whole grid timed). fit: as in curve."""
         max_w = max_w if fit is None else min(max_w, fit)
         key = self.key(model, rows)
         with self._lock:
@@ -275,8 +275,13 @@ class CostModel:
                 stored = self.disk.load(model, key)
                 if stored is not None and len(stored) >= max_w + 1:
                     known[key] = stored
-                else:
+                elif self.full:
                     known[key] = measure_relative(seconds_of, max_w)
+                else:  # the shape prior of rows x w tokens, corrected by a few timed widths (as `curve`)
+                    prior = prior_seconds(shape_of(model), rows * np.arange(max_w + 1))
+                    seconds = quick_curve(seconds_of, max_w, prior).shape
+                    known[key] = np.concatenate([[np.inf], seconds[1:] / seconds[1]])
+                if stored is None or len(stored) < max_w + 1:
                     self.disk.store(model, key, known[key])
             return BatchCost(known[key][: max_w + 1])
 

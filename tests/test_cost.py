@@ -123,3 +123,15 @@ def test_second_process_pays_no_calibration_forwards(tiny_llama, tmp_path):
     # A new process asking for what the call needed (its widest forward: 20 new tokens after 17 -> 19 wide)
     # gets the curve from disk without timing anything (seconds_of=None would raise if it were called).
     assert isinstance(CostModel(tmp_path).curve(tiny_llama, 33, None, fit=19), CostCurve)
+
+
+def test_batch_calibration_times_three_widths_and_follows_them(tiny_llama, tmp_path):
+    # A cold batch prices widths from the shape prior of rows x w tokens, corrected by widths 1, 8 and the widest
+    # (each timed twice), not by timing the whole grid; the relative costs go through the timed points.
+    calls = []
+    cost = CostModel(tmp_path).batch(tiny_llama, 16, 33, linear(calls))
+    assert sorted(set(calls)) == [1, 8, 33] and len(calls) == 6
+    assert cost(1) == 1.0 and all(np.isclose(cost(w), (1 + 0.5 * w) / 1.5) for w in (8, 33))
+    calls.clear()
+    CostModel(tmp_path, full=True).batch(tiny_llama, 4, 33, linear(calls))
+    assert len(set(calls)) > 3
