@@ -27,6 +27,7 @@ PRIOR_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
 FIRST_PRIOR_FACTOR = 0.6
 # Worth a few observations only: each request's own acceptance takes over within a few steps.
 _PRIOR_WEIGHT = 4.0
+_ROWS_IN_TURN = 4       # observe_rows: up to this many rows, one observe per row
 # Forward sizes (1 + draft length) of a compiled forward: log2(k) + 1 shapes instead of k + 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -128,13 +129,27 @@ class DraftPolicy:
 
     def observe(self, draft: Draft, emitted) -> None:
         """Learn from the full proposed draft and the tokens this step emitted (int [e])."""
-        self.observe_rows([draft], [emitted])
+        chain = draft.chain
+        n = min(len(chain), len(emitted))
+        if n == 0:
+            return
+        b = bucket(draft.match_len)
+        kept = kept_prefix(chain, emitted)
+        self.first[b] *= _FORGET
+        self.later[b] *= _FORGET
+        self.first[b] += (1.0 if kept > 0 else 0.0, 1.0)
+        self.later[b] += (max(kept - 1, 0), min(kept, n - 1))    # later positions actually decided
 
     def observe_rows(self, drafts: list[Draft], emitted: list) -> None:
-        """`observe` for every row of a step at once; the same result as observing them one by one, in order.
+        """`observe` for every row of a step; the same result as observing them one by one, in order.
 
         Observing m rows of one bucket in turn gives counts F^m * old + sum_i F^(m-1-i) x_i (F = _FORGET):
-        computed here with one weight per row instead of m sequential updates."""
+        computed with one weight per row instead of m sequential updates. A few rows are observed in turn
+        (the array set-up costs more than it saves there)."""
+        if len(drafts) <= _ROWS_IN_TURN:
+            for d, e in zip(drafts, emitted):
+                self.observe(d, e)
+            return
         chains = [d.chain for d in drafts]
         n = np.array([min(len(c), len(e)) for c, e in zip(chains, emitted)], dtype=np.int64)
         seen = np.flatnonzero(n > 0)
