@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lookup_decode.cost import COSTS
-from lookup_decode.draft import checked
+from lookup_decode.draft import checked_rows
 from lookup_decode.stats import DecodeStats
 from lookup_decode.stopping import first_stops
 
@@ -133,8 +133,8 @@ def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: Decode
     t = time.perf_counter()
     # 1. Propose: never more than a row may still emit.
     limits = [min(policy.k, rows.room(b)) for b in rows.active]
-    fulls = [checked(drafters[b].propose(limit), drafters[b], limit, forward.vocab)
-             for b, limit in zip(rows.active, limits)]
+    fulls = checked_rows([drafters[b].propose(limit) for b, limit in zip(rows.active, limits)],
+                         [drafters[b] for b in rows.active], limits, forward.vocab)
     # 2. Choose one width for the forward: within it a row's extra draft tokens cost nothing more.
     n = policy.choose(fulls) - 1
     drafts = [policy.fit(full, n, limit, forward.shapes) for full, limit in zip(fulls, limits)]

@@ -31,7 +31,7 @@ class Draft:
 
     def __post_init__(self):
         tokens = np.asarray(self.tokens)
-        if tokens.ndim != 1 or not (tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
+        if tokens.ndim != 1 or not (tokens.dtype == np.int32 or tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
             raise TypeError(f"Draft.tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if tokens.size and tokens.dtype.itemsize > 4 and (int(tokens.min()) < -2**31 or int(tokens.max()) >= 2**31):
             raise ValueError(f"Draft.tokens hold ids outside int32 (min {int(tokens.min())}, max {int(tokens.max())})")
@@ -70,6 +70,8 @@ class Draft:
         """The first n tokens of the chain; with tree_nodes != 0, a tree keeps its nodes of depth <= n,
         at most tree_nodes of them (None: no limit), in order — the chain first, so it is never cut
         shorter. A tree that keeps no node off the chain becomes a chain."""
+        if self.parents is None and n >= len(self.tokens):
+            return self                 # nothing to cut (immutable: the same value serves)
         chain = self.chain[:n]
         if self.parents is None or tree_nodes == 0 or n == 0:
             return Draft(chain, self.match_len, None if self.probs is None else self.probs[:n])
@@ -92,19 +94,23 @@ def kept_prefix(draft, emitted) -> int:
     return n if same.all() else int(np.argmin(same))
 
 
-def checked(draft, drafter, max_tokens: int, vocab: int | None = None) -> Draft:
-    """`draft` if it is a Draft no deeper than max_tokens whose ids are in [0, vocab), else a
-    TypeError/ValueError naming the drafter (a bad id would otherwise fail deep inside an embedding,
-    on CUDA as a device assert that poisons the process)."""
-    if not isinstance(draft, Draft):
-        raise TypeError(f"{type(drafter).__name__}.propose() must return a lookup_decode.Draft, "
-                        f"got {type(draft).__name__}")
-    if len(draft.chain) > max_tokens or draft.parents is not None and int(draft.depth.max()) > max_tokens:
-        raise ValueError(f"{type(drafter).__name__}.propose({max_tokens}) returned a draft deeper than {max_tokens}")
-    if vocab is not None and len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
-        raise ValueError(f"{type(drafter).__name__}.propose() returned token ids outside the vocabulary [0, {vocab}): "
-                         f"min {int(draft.tokens.min())}, max {int(draft.tokens.max())}")
-    return draft
+def checked_rows(drafts: list, drafters: list, max_tokens: list[int], vocab: int | None = None) -> list[Draft]:
+    """`drafts` (one per row) if each is a Draft no deeper than its max_tokens with ids in [0, vocab), else a
+    TypeError/ValueError naming the drafter (a bad id would otherwise fail deep inside an embedding, on CUDA as
+    a device assert that poisons the process). The ids of all rows are range-checked at once."""
+    for draft, drafter, limit in zip(drafts, drafters, max_tokens):
+        if not isinstance(draft, Draft):
+            raise TypeError(f"{type(drafter).__name__}.propose() must return a lookup_decode.Draft, "
+                            f"got {type(draft).__name__}")
+        if len(draft.chain) > limit or draft.parents is not None and int(draft.depth.max()) > limit:
+            raise ValueError(f"{type(drafter).__name__}.propose({limit}) returned a draft deeper than {limit}")
+    tokens = np.concatenate([d.tokens for d in drafts]) if len(drafts) > 1 else drafts[0].tokens
+    if vocab is not None and len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        for draft, drafter in zip(drafts, drafters):
+            if len(draft) and (int(draft.tokens.min()) < 0 or int(draft.tokens.max()) >= vocab):
+                raise ValueError(f"{type(drafter).__name__}.propose() returned token ids outside the vocabulary "
+                                 f"[0, {vocab}): min {int(draft.tokens.min())}, max {int(draft.tokens.max())}")
+    return drafts
 
 
 class Drafter(Protocol):
