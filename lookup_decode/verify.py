@@ -18,19 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lookup_decode.draft import kept_prefix
 
 
-def accept_greedy(draft: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """draft: long [n]; scores: float [n + 1, V]. Returns long [m + 1], m = drafts kept.
+def accept_greedy(draft, scores: torch.Tensor) -> torch.Tensor:
+    """draft: int [n] (numpy or a CPU tensor); scores: float [n + 1, V]. Returns long [m + 1], m = drafts kept.
 
     Keeps the longest prefix of the draft equal to the target argmax, then the argmax after it,
     so the emitted tokens are exactly what one-token-at-a-time greedy decoding produces. The n + 1
     target tokens cross to the host in one transfer and are compared there: the result is on the CPU.
     """
     target = scores.argmax(-1).cpu()                             # [n + 1]
-    agree = (target[:-1] == draft.cpu()).to(torch.int64).cumprod(0)   # 1 until the first disagreement
-    n_kept = int(agree.sum())
-    return target[: n_kept + 1]
+    return target[: kept_prefix(np.asarray(draft), target.numpy()) + 1]
 
 
 def accept_greedy_rows(drafts: np.ndarray, lengths: np.ndarray, logits: torch.Tensor) -> list[torch.Tensor]:
@@ -223,6 +222,13 @@ def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor,
     """
     procs = logits_processor if isinstance(logits_processor, Processors) else Processors(logits_processor)
     n = len(draft)
+    # Drafts sampled from q (a draft model) under sampling: the rejection rule needs p on every row.
+    q_rule = uniforms is not None and draft.probs is not None and n > 0
+    if not procs and not q_rule:            # nothing to run per row: decide all rows at once, on the host
+        if uniforms is None:
+            return accept_greedy(draft.tokens, logits), logits
+        return accept_sampled(torch.from_numpy(draft.tokens).to(torch.long), torch.softmax(logits, dim=-1),
+                              uniforms[: n + 1]), logits
     tokens = torch.from_numpy(draft.tokens).to(device=logits.device, dtype=torch.long)
 
     if procs.per_row:       # prefix-dependent: each row with its own prefix, only as far as needed
@@ -235,16 +241,10 @@ def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor,
         def row(i):
             return all_rows[i: i + 1]
 
-    if uniforms is not None and draft.probs is not None and n > 0:
-        # Drafts sampled from q (a draft model): the rejection rule needs p on every row.
+    if q_rule:
         scores = torch.cat([row(i) for i in range(n + 1)])
         probs = torch.softmax(scores, dim=-1)
         return rules.draft_probs(tokens, probs, draft.probs[:n].to(probs.device), generator), scores
-    if not procs:                                        # nothing to run per row: decide all rows at once
-        host_tokens = torch.from_numpy(draft.tokens).to(torch.long)   # compared on the host (accept_*)
-        if uniforms is None:
-            return accept_greedy(host_tokens, logits), logits
-        return accept_sampled(host_tokens, torch.softmax(logits, dim=-1), uniforms[: n + 1]), logits
     emitted, rows = rules.row_by_row(tokens, row, uniforms)
     return emitted, torch.cat(rows)
 
