@@ -89,9 +89,10 @@ EMPTY = Draft(np.zeros(0, np.int32))
 
 def kept_prefix(draft, emitted) -> int:
     """How many leading tokens of `draft` (int [d]) equal those of `emitted` (int [e]): the drafts a step kept."""
-    n = min(len(draft), len(emitted))
-    same = np.asarray(draft[:n]) == np.asarray(emitted[:n])
-    return n if same.all() else int(np.argmin(same))
+    # Python lists: a draft is at most a few dozen tokens, where numpy's per-call cost is several times the loop's.
+    d, e = np.asarray(draft).tolist(), np.asarray(emitted).tolist()
+    n = min(len(d), len(e))
+    return next((i for i in range(n) if d[i] != e[i]), n)
 
 
 def checked_rows(drafts: list, drafters: list, max_tokens: list[int], vocab: int | None = None) -> list[Draft]:
