@@ -63,7 +63,7 @@ class ForwardTimer:
             h.remove()
 
 
-def host_us(model, ids, mask, new: int, method: str, sampling: dict) -> dict:
+def host_us(model, ids, mask, new: int, method: str, sampling: dict, lookup: dict | None = None) -> dict:
     """Host microseconds per step (lookup) or per token (plain), per row too, for one generate call."""
     timer = ForwardTimer(model)
     stats = DecodeStats()
@@ -74,7 +74,7 @@ def host_us(model, ids, mask, new: int, method: str, sampling: dict) -> dict:
             if method == "plain":
                 out = model.generate(ids, **kw)
             else:
-                out = lookup_decode.generate(model, ids, stats=stats, **kw)
+                out = lookup_decode.generate(model, ids, stats=stats, **(lookup or {}), **kw)
         total = time.perf_counter() - t
     finally:
         timer.remove()
@@ -123,6 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; the least host time is kept")
     ap.add_argument("--samplings", nargs="+", default=["greedy", "t0.7_p0.95"])
+    ap.add_argument("--fixed-k", type=int, default=None,
+                    help="lookup_decode with adaptive=False and this k: every step as wide as the drafts allow, the "
+                         "same widths in every run (the adaptive policy's widths follow timings and differ between runs)")
+    ap.add_argument("--outputs", nargs="+", default=["code edit", "random"], choices=["code edit", "random"],
+                    help="single-row cases: a recorded code edit forced through the logits, the model's own output")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -134,7 +139,8 @@ def main(argv=None) -> int:
     samplings = {name: samplings[name] for name in args.samplings}
     # One row: a recorded code edit forced through the logits (drafts copy it, steps are wide) and the
     # random-weight model's own output (few drafts: the step's fixed work); batches: random-weight outputs.
-    cases = ([(1, c, "code edit") for c in args.contexts] + [(1, c, "random") for c in args.contexts]
+    lookup = None if args.fixed_k is None else dict(adaptive=False, k=args.fixed_k)
+    cases = ([(1, c, out) for out in args.outputs for c in args.contexts]
              + [(b, args.batch_context, "random") for b in args.batches])
     argmax_us = argmax_us_per_position(model.config.vocab_size)
     rows = []
@@ -151,10 +157,10 @@ def main(argv=None) -> int:
                 # Untimed warm-up of both, as long as the timed calls (allocations; lookup_decode's cost calibration
                 # for this batch size and widths up to the ones the timed calls may verify).
                 for method in ("plain", "lookup_decode"):
-                    host_us(model, ids, mask, args.new, method, sampling)
+                    host_us(model, ids, mask, args.new, method, sampling, lookup)
                 for _ in range(args.repeats):
                     for method in ("plain", "lookup_decode"):
-                        r = host_us(model, ids, mask, args.new, method, sampling)
+                        r = host_us(model, ids, mask, args.new, method, sampling, lookup)
                         if method not in best or r["host_us_per_step"] < best[method]["host_us_per_step"]:
                             best[method] = r
                 row = {"batch": batch, "context": context, "output": output, "sampling": name, **{
