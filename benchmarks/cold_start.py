@@ -71,28 +71,17 @@ TEST_PROMPTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "real
 def real_session(model_path: str, variant: str, requests: int, new: int) -> dict:
     """One fresh process's session on a real model (run by `--child`): seconds and tokens of each request."""
     started = time.perf_counter()
+    from lookup_decode.bench import PLAIN, PROMPT_LOOKUP, Variant, run_variant
     from lookup_decode.models import chat_ids, load_model
     model, tokenizer = load_model(None if model_path == "default" else model_path)
     loaded = time.perf_counter()
     rows = [json.loads(line) for line in TEST_PROMPTS.read_text().splitlines()]
     rows = [r for r in rows if r["category"] in ("code_edit", "editeval")][:requests]
-    times, outputs = [], []
-    for r in rows:
-        ids = chat_ids(tokenizer, r["messages"])
-        kw = dict(max_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(ids))
-        t = time.perf_counter()
-        with torch.inference_mode():
-            if variant == "plain":
-                out = model.generate(ids, **kw)
-            elif variant == "prompt_lookup":
-                out = model.generate(ids, prompt_lookup_num_tokens=10, **kw)
-            else:
-                out = model.generate(ids, custom_generate=lookup_decode.generate, **kw)
-        times.append(time.perf_counter() - t)
-        outputs.append(out[0, ids.shape[1]:].tolist())
-    # lookup_decode_first_run: the same, in a process whose numba cache folder is empty (NUMBA_CACHE_DIR, set
+    # lookup_decode_first_run: lookup_decode in a process whose numba cache folder is empty (NUMBA_CACHE_DIR, set
     # by the parent): the first run after installing, when the kernels are compiled, not loaded.
-    return {"seconds": times, "outputs": outputs, "ids": [r["id"] for r in rows],
+    how = {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP}.get(variant, Variant(variant, lookup={}))
+    runs = [run_variant(model, chat_ids(tokenizer, r["messages"]), how, new) for r in rows]
+    return {"seconds": [r.seconds for r in runs], "outputs": [r.tokens for r in runs], "ids": [r["id"] for r in rows],
             "load_s": loaded - started, "vocab": int(model.config.vocab_size)}
 
 

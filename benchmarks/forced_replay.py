@@ -173,29 +173,20 @@ def write_pairs(path: Path, sets, limit: int, max_prompt: int) -> None:
 METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_tree")
 
 
+def variant_of(method: str, k: int, tree_width: int):
+    """The `bench.Variant` that runs `method` (one of METHODS)."""
+    from lookup_decode.bench import PLAIN, PROMPT_LOOKUP, Variant
+    return {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP, "lookup_decode": Variant(method, lookup={"k": k}),
+            "lookup_decode_tree": Variant(method, lookup={"k": k, "tree_width": tree_width})}[method]
+
+
 def run_one(model, forced: Forced, method: str, prompt: np.ndarray, output: np.ndarray, k: int, tree_width: int):
-    """(seconds, emitted tokens long [n], DecodeStats or None) of one method on one recorded pair."""
-    import lookup_decode
-    from lookup_decode.stats import DecodeStats
-    from lookup_decode.tree import TreeProposer
+    """`bench.Run` (seconds, emitted tokens, DecodeStats or None) of one method on one recorded pair."""
+    from lookup_decode.bench import run_variant
     device = next(model.parameters()).device
     forced.set(np.concatenate([prompt, output]), device)
     ids = torch.as_tensor(prompt[None].astype(np.int64), device=device)
-    kw = dict(max_new_tokens=len(output), do_sample=False, attention_mask=torch.ones_like(ids))
-    stats = None
-    sync(device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        if method == "plain":
-            out = model.generate(ids, **kw)
-        elif method == "prompt_lookup":
-            out = model.generate(ids, prompt_lookup_num_tokens=10, **kw)
-        else:
-            stats = DecodeStats()
-            proposer = TreeProposer(width=tree_width) if method == "lookup_decode_tree" else None
-            out = lookup_decode.generate(model, ids, k=k, stats=stats, proposer=proposer, **kw)
-    sync(device)
-    return time.perf_counter() - t, out[0, len(prompt):].cpu(), stats
+    return run_variant(model, ids, variant_of(method, k, tree_width), len(output))
 
 
 def forced_replay(model, pairs: dict, methods=METHODS, k: int = 32, tree_width: int = 4, progress=None) -> dict:
@@ -214,15 +205,14 @@ def forced_replay(model, pairs: dict, methods=METHODS, k: int = 32, tree_width: 
             per = {m: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for m in methods}
             for prompt, output in ps:
                 for m in methods:
-                    seconds, got, stats = run_one(model, forced, m, prompt, output, k, tree_width)
-                    same = got.tolist() == output.tolist()
-                    if not same:
+                    run = run_one(model, forced, m, prompt, output, k, tree_width)
+                    if run.tokens != output.tolist():
                         raise AssertionError(f"{m} on {name}: output differs from the record")
                     r = per[m]
-                    r["seconds"] += seconds
+                    r["seconds"] += run.seconds
                     r["tokens"] += len(output)
                     r["identical"] += 1
-                    r["steps"] += stats.steps if stats is not None else 0
+                    r["steps"] += run.stats.steps if run.stats is not None else 0
                 if progress:
                     progress(name, per)
             for m in methods:

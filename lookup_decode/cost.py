@@ -194,6 +194,13 @@ def measure_relative(seconds_of: Callable[[int], float], max_w: int) -> np.ndarr
     return relative
 
 
+def quick_relative(seconds_of: Callable[[int], float], max_w: int, prior: np.ndarray) -> np.ndarray:
+    """`measure_relative` from a prior (seconds of a batch's forward at widths 0..max_w, e.g. the shape prior of
+    rows x w tokens) corrected by a few timed widths (`quick_curve`)."""
+    seconds = quick_curve(seconds_of, max_w, prior).shape
+    return np.concatenate([[np.inf], seconds[1:] / seconds[1]])
+
+
 def measure_forward_cost(model, context_ids, sizes, repeats: int = 3) -> list[float]:
     """Median seconds of one forward over n new tokens after a prefilled context, for each n in sizes.
 
@@ -275,13 +282,9 @@ class CostModel:
                 stored = self.disk.load(model, key)
                 if stored is not None and len(stored) >= max_w + 1:
                     known[key] = stored
-                elif self.full:
-                    known[key] = measure_relative(seconds_of, max_w)
-                else:  # the shape prior of rows x w tokens, corrected by a few timed widths (as `curve`)
-                    prior = prior_seconds(shape_of(model), rows * np.arange(max_w + 1))
-                    seconds = quick_curve(seconds_of, max_w, prior).shape
-                    known[key] = np.concatenate([[np.inf], seconds[1:] / seconds[1]])
-                if stored is None or len(stored) < max_w + 1:
+                else:
+                    known[key] = (measure_relative(seconds_of, max_w) if self.full else quick_relative(
+                        seconds_of, max_w, prior_seconds(shape_of(model), rows * np.arange(max_w + 1))))
                     self.disk.store(model, key, known[key])
             return BatchCost(known[key][: max_w + 1])
 

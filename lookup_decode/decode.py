@@ -74,7 +74,7 @@ class Rows:
     def write(self, tokens: list[torch.Tensor], at: list[int]) -> None:
         """Write tokens[i] into the i-th active row from column at[i]: one indexed copy for all rows."""
         lengths = [len(t) for t in tokens]
-        if len(tokens) == 1:
+        if len(tokens) == 1:        # one sequence, the common case: a slice, no index tensors to build
             self.ids[self.active[0], at[0]: at[0] + lengths[0]] = tokens[0].to(self.ids.device)
             return
         lengths, at = np.array(lengths), np.array(at)
