@@ -1,6 +1,6 @@
 """Reference proposers for the offline replay, re-implemented from the rules their projects document.
 
-All are drafters (`lookup_decode.draft.Drafter`), so `lookup_decode.replay.replay` runs them through
+All are drafters (`lookup_decode.core.draft.Drafter`), so `lookup_decode.engines.replay.replay` runs them through
 the decoding step: built on the prompt, then `extend(tokens)` and `propose(max_tokens) -> Draft`,
 with the length of the match behind the draft in `Draft.match_len` (0: none). Plain numpy: each
 step rescans the context (O(n) per step), as the originals do.
@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lookup_decode.draft import EMPTY, Draft
-from lookup_decode.index import SuffixIndex
+from lookup_decode.core.draft import EMPTY, Draft
+from lookup_decode.core.index import SuffixIndex
 
 
 class _Context:

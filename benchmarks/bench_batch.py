@@ -26,9 +26,9 @@ from tqdm import tqdm
 
 from benchmarks import workloads
 from benchmarks.common import Timeline
-from lookup_decode.bench import command_line, environment, loop_score, timed_generate
-from lookup_decode.models import chat_ids
-from lookup_decode.stats import DecodeStats
+from lookup_decode.cli.bench import command_line, environment, loop_score, timed_generate
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.models import chat_ids
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batch"
 
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lookup_decode.models import load_model
+    from lookup_decode.engines.hf.models import load_model
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=device)

@@ -35,10 +35,10 @@ import torch
 import lookup_decode
 from benchmarks import workloads
 from benchmarks.common import first_mismatch
-from lookup_decode.bench import command_line, environment, interleaved_order, loop_score, timed_generate
-from lookup_decode.cost import sync
-from lookup_decode.models import chat_ids, load_tokenizer
-from lookup_decode.stats import DecodeStats
+from lookup_decode.cli.bench import command_line, environment, interleaved_order, loop_score, timed_generate
+from lookup_decode.core.cost import sync
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "coverage"
 STATIC_VARIANTS = {

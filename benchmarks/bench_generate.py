@@ -24,11 +24,20 @@ from tqdm import tqdm
 
 from benchmarks import report, workloads
 from benchmarks.common import accepted_histogram, copy_share, first_mismatch
-from lookup_decode.bench import (LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, environment, interleaved_order,
-                                 loop_score, run_variant, speedup)
-from lookup_decode.cost import measure_forward_cost
-from lookup_decode.models import chat_ids
-from lookup_decode.stats import DecodeStats
+from lookup_decode.cli.bench import (
+    LOOP_THRESHOLD,
+    PLAIN,
+    PROMPT_LOOKUP,
+    Variant,
+    environment,
+    interleaved_order,
+    loop_score,
+    run_variant,
+    speedup,
+)
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.forward import measure_forward_cost
+from lookup_decode.engines.hf.models import chat_ids
 
 VARIANTS = {
     "plain": PLAIN,
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lookup_decode.models import load_model
+    from lookup_decode.engines.hf.models import load_model
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(args.threads)
     names = ["plain"] + [v for v in dict.fromkeys(args.variants) if v != "plain"]

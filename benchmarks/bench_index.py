@@ -40,10 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.bench import environment
-from lookup_decode.cost import measure_forward_cost
-from lookup_decode.index import SuffixIndex
-from lookup_decode.memory import References
+from lookup_decode.cli.bench import environment
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.engines.hf.forward import measure_forward_cost
+from lookup_decode.sources.memory import References
 
 VOCAB = 49152
 CONTEXTS = [1_000, 10_000, 100_000, 1_000_000]
@@ -111,7 +111,7 @@ def model_forward_ms(threads: int, context: int = 1024, repeats: int = 20) -> tu
     """Median ms of one default-model forward over 1 token after a `context`-token cache (CPU)."""
     import torch
 
-    from lookup_decode.models import load_model
+    from lookup_decode.engines.hf.models import load_model
     torch.set_num_threads(threads)
     model, _ = load_model()
     ids = torch.from_numpy(random_text(context, np.random.default_rng(1)).astype(np.int64))[None]

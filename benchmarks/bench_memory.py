@@ -26,9 +26,9 @@ import torch
 
 import lookup_decode
 from benchmarks import memory_sessions
-from lookup_decode.bench import environment
-from lookup_decode.models import chat_ids
-from lookup_decode.stats import DecodeStats
+from lookup_decode.cli.bench import environment
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.models import chat_ids
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ["none", "memory"]

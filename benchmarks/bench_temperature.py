@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import workloads
-from lookup_decode.bench import LOOP_THRESHOLD, Variant, environment, loop_score, run_variant
-from lookup_decode.models import chat_ids, load_model
-from lookup_decode.stats import DecodeStats
+from lookup_decode.cli.bench import LOOP_THRESHOLD, Variant, environment, loop_score, run_variant
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.models import chat_ids, load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -36,9 +36,9 @@ import numpy as np
 
 from benchmarks.vllm_ngram import VllmNgramProposer
 from benchmarks.vllm_runner import SimRequest, SimRunner
-from lookup_decode.bench import environment
-from lookup_decode.memory import Memory
-from lookup_decode.vllm import LookupDrafter, Settings
+from lookup_decode.cli.bench import environment
+from lookup_decode.engines.vllm import LookupDrafter, Settings
+from lookup_decode.sources.memory import Memory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm"
 MACHINE_NOTE = ("Taken on a shared, busy 2-core machine (3 other engineers' jobs running): absolute times are "
@@ -185,7 +185,7 @@ def replay_methods(k: int, eos, with_arctic: bool) -> dict:
 
 def bench_replay(sets, ks, limit: int) -> dict:
     from benchmarks.common import eos_of, real_pairs
-    from lookup_decode.models import load_tokenizer
+    from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer()
     eos = eos_of(tokenizer)
     pairs = real_pairs(tokenizer, sets, limit=limit, min_tokens=2)
@@ -231,7 +231,7 @@ def bench_replicas(workloads, limit: int, k: int, replicas: int = 4, seed: int =
     from benchmarks import memory_sessions
     from benchmarks.common import eos_of
     from benchmarks.replay_memory import tokenize
-    from lookup_decode.models import load_tokenizer
+    from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer()
     eos = eos_of(tokenizer)
     out = {}

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 import lookup_decode
-from benchmarks.forced_replay import Forced, build, load_pairs, PAIRS
-from lookup_decode.cost import CostModel
+from benchmarks.forced_replay import PAIRS, Forced, build, load_pairs
+from lookup_decode.core.cost import CostModel
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cold_start"
 
@@ -71,8 +71,8 @@ TEST_PROMPTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "real
 def real_session(model_path: str, variant: str, requests: int, new: int) -> dict:
     """One fresh process's session on a real model (run by `--child`): seconds and tokens of each request."""
     started = time.perf_counter()
-    from lookup_decode.bench import PLAIN, PROMPT_LOOKUP, Variant, run_variant
-    from lookup_decode.models import chat_ids, load_model
+    from lookup_decode.cli.bench import PLAIN, PROMPT_LOOKUP, Variant, run_variant
+    from lookup_decode.engines.hf.models import chat_ids, load_model
     model, tokenizer = load_model(None if model_path == "default" else model_path)
     loaded = time.perf_counter()
     rows = [json.loads(line) for line in TEST_PROMPTS.read_text().splitlines()]
@@ -107,7 +107,7 @@ def real_model(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from lookup_decode.bench import command_line, environment
+    from lookup_decode.cli.bench import command_line, environment
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b/8")
     ap.add_argument("--model", help="'default' or a .gguf file / model folder: a real model in fresh processes")

@@ -1,7 +1,7 @@
 """Helpers only the benchmarks use: per-token timelines, copy share, acceptance histograms, output
 comparison, and the (prompt, output) pairs with real large-model outputs that the replays run on.
 
-What `lookup-decode bench` needs stays in `lookup_decode.bench`; these serve the studies in this folder.
+What `lookup-decode bench` needs stays in `lookup_decode.cli.bench`; these serve the studies in this folder.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from lookup_decode.cost import sync
-from lookup_decode.stats import DecodeStats
+from lookup_decode.core.cost import sync
+from lookup_decode.core.stats import DecodeStats
 
 
 class Timeline:
@@ -94,7 +94,7 @@ def real_pairs(tokenizer, sets: list[str], limit: int | None = None, min_tokens:
     from tqdm import tqdm
 
     from benchmarks import workloads
-    from lookup_decode.models import chat_ids
+    from lookup_decode.engines.hf.models import chat_ids
     pairs = {}
     for name in sets:
         reqs = [r for r in workloads.load(name) if r.reference and r.reference.strip()][:limit]

@@ -8,7 +8,7 @@ DynamicCache concatenates every step), so this is the real cost at context T; on
 model would produce there are not measured. RoPE has no length limit, so positions past the model's
 trained context run at the same cost.
 
-A replay (lookup_decode.replay.replay) knows per step how many tokens were drafted and accepted;
+A replay (lookup_decode.engines.replay.replay) knows per step how many tokens were drafted and accepted;
 pricing step j as one forward over d_j + 1 tokens at the context reached by then gives the projected
 time, and plain decoding is one forward over 1 token per emitted token.
 """
@@ -21,14 +21,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lookup_decode.cost import CostCurve, sync
+from lookup_decode.core.cost import CostCurve, sync
 
 
 def synthetic_cache(model, context_tokens: int, seed: int = 0):
     """A DynamicCache holding `context_tokens` random keys/values in every layer (shapes from a 1-token probe)."""
     import torch
 
-    from lookup_decode.cache import cache_argument, new_cache
+    from lookup_decode.engines.hf.cache import cache_argument, new_cache
     device = next(model.parameters()).device
     probe = new_cache(model)
     with torch.inference_mode():
@@ -48,7 +48,7 @@ def time_forwards(model, cache, sizes: Sequence[int], repeats: int = 3) -> list[
     """Median seconds of one forward over n new tokens on top of `cache` (cropped back after each), per n."""
     import torch
 
-    from lookup_decode.cache import cache_argument, crop
+    from lookup_decode.engines.hf.cache import cache_argument, crop
     device = next(model.parameters()).device
     arg = cache_argument(model)
     vocab = model.get_input_embeddings().weight.shape[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lookup_decode.cost import sync
+from lookup_decode.core.cost import sync
 
 RESULTS = Path(__file__).resolve().parent / "results" / "forced_replay"
 SETS = ["cnn_dm", "hagrid", "code_edit", "mt_redundant", "editeval", "clapnq"]
@@ -158,7 +158,7 @@ def load_pairs(path: Path, sets, limit: int | None) -> dict:
 def write_pairs(path: Path, sets, limit: int, max_prompt: int) -> None:
     """Tokenize the shared sets once (default model's tokenizer) so GPU machines need no tokenizer."""
     from benchmarks.common import real_pairs
-    from lookup_decode.models import load_tokenizer
+    from lookup_decode.engines.hf.models import load_tokenizer
     pairs = real_pairs(load_tokenizer(), sets, None, min_tokens=16)
     arrays = {}
     for name, ps in pairs.items():
@@ -175,14 +175,14 @@ METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_tree")
 
 def variant_of(method: str, k: int, tree_width: int):
     """The `bench.Variant` that runs `method` (one of METHODS)."""
-    from lookup_decode.bench import PLAIN, PROMPT_LOOKUP, Variant
+    from lookup_decode.cli.bench import PLAIN, PROMPT_LOOKUP, Variant
     return {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP, "lookup_decode": Variant(method, lookup={"k": k}),
             "lookup_decode_tree": Variant(method, lookup={"k": k, "tree_width": tree_width})}[method]
 
 
 def run_one(model, forced: Forced, method: str, prompt: np.ndarray, output: np.ndarray, k: int, tree_width: int):
     """`bench.Run` (seconds, emitted tokens, DecodeStats or None) of one method on one recorded pair."""
-    from lookup_decode.bench import run_variant
+    from lookup_decode.cli.bench import run_variant
     device = next(model.parameters()).device
     forced.set(np.concatenate([prompt, output]), device)
     ids = torch.as_tensor(prompt[None].astype(np.int64), device=device)
@@ -244,7 +244,7 @@ def markdown(results: dict, header: str) -> str:
 
 
 def main(argv=None) -> int:
-    from lookup_decode.bench import command_line, environment
+    from lookup_decode.cli.bench import command_line, environment
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b/8"],
                     help=f"shape names ({', '.join(SHAPES)}), optionally /f to divide width and depth by f")

@@ -20,9 +20,9 @@ failures: diff, crash (ours raised something else where plain returned), ours_on
 from __future__ import annotations
 
 import argparse
-import logging
 import collections
 import json
+import logging
 import os
 import sys
 import time

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from benchmarks.forced_replay import build
-from lookup_decode.cache import crop
-from lookup_decode.cost import sync
+from lookup_decode.core.cost import sync
+from lookup_decode.engines.hf.cache import crop
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check"
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
@@ -40,7 +40,7 @@ def _median_seconds(run, after, device, repeats: int) -> float:
 
 def dynamic_curve(model, context: int, sizes, repeats: int) -> list[float]:
     """Median seconds per size with a DynamicCache holding `context` tokens (each forward cropped again)."""
-    from lookup_decode.cost import measure_forward_cost
+    from lookup_decode.engines.hf.forward import measure_forward_cost
     device = next(model.parameters()).device
     ids = torch.randint(1, model.config.vocab_size, (1, context), device=device)
     return measure_forward_cost(model, ids, list(sizes), repeats=repeats)
@@ -111,7 +111,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from lookup_decode.bench import command_line
+    from lookup_decode.cli.bench import command_line
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])

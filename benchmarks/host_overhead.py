@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 import lookup_decode
-from benchmarks.forced_replay import Forced, build, load_pairs, PAIRS
-from lookup_decode.stats import DecodeStats
+from benchmarks.forced_replay import PAIRS, Forced, build, load_pairs
+from lookup_decode.core.stats import DecodeStats
 
 RESULTS = Path(__file__).resolve().parent / "results" / "host_overhead"
 
@@ -115,7 +115,7 @@ def prompts(context: int, batch: int, vocab: int):
 
 
 def main(argv=None) -> int:
-    from lookup_decode.bench import command_line, environment
+    from lookup_decode.cli.bench import command_line, environment
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="*", default=[1024, 16384])
     ap.add_argument("--batches", type=int, nargs="*", default=[16, 64])

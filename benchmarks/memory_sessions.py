@@ -201,7 +201,7 @@ def references(workload: Workload, tokenizer):
     """The workload's documents in one `References` (None when it has none)."""
     if not workload.references:
         return None
-    from lookup_decode.memory import References
+    from lookup_decode.sources.memory import References
     refs = References()
     for name, text in workload.references.items():
         refs.register(name, text, tokenizer=tokenizer)

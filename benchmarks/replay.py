@@ -7,7 +7,7 @@
     python -m benchmarks.replay --prior-factors 1.0 0.6 --skip 60 --limit 200   # the first-token prior factor
 
 Each pair is tokenized with the default model's tokenizer (prompt through the chat template, the
-output as plain text) and replayed with `lookup_decode.replay.replay`: at every step the proposer
+output as plain text) and replayed with `lookup_decode.engines.replay.replay`: at every step the proposer
 drafts up to `cap` tokens, the "verifier" accepts the longest prefix equal to the true output plus
 one bonus/correction token, and the emitted tokens are fed back to the proposer. Conventions are
 those of `DecodeStats`: mean accepted length counts the bonus token; per-position acceptance is
@@ -25,7 +25,7 @@ the adaptive (cost-aware) lookup_decode policy.
 
 Studies on the same pairs, each instead of the proposer comparison:
 * --tree-widths: what trees of candidates could add. Branch 1 is lookup_decode's draft; branches
-  2..w copy from other earlier occurrences of the last token (`lookup_decode.tree.branches`). The
+  2..w copy from other earlier occurrences of the last token (`lookup_decode.sources.tree.branches`). The
   "verifier" keeps the longest prefix of any branch equal to the true continuation, plus one token
   (what tree verification keeps, greedy). Writes tree_potential.{json,md}: tokens per step and tree
   nodes (draft tokens) per step, the forward size a tree costs.
@@ -51,19 +51,26 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
-                                  TransformersPromptLookup, VllmNgram)
+from benchmarks.baselines import (
+    ContextCopyOracle,
+    SelectionOracle,
+    SubstitutionKey,
+    SuffixDecoding,
+    TransformersPromptLookup,
+    VllmNgram,
+)
 from benchmarks.common import eos_of, real_pairs
-from lookup_decode.bench import command_line, environment, spread
-from lookup_decode.config import LookupConfig
-from lookup_decode.cost import CostCurve
-from lookup_decode.draft import kept_prefix
-from lookup_decode.index import SuffixIndex, as_token_array
-from lookup_decode.models import load_tokenizer
-from lookup_decode.policy import MEASURED_FIRST, PRIOR_LATER, DraftPolicy, bucket
-from lookup_decode.replay import estimated_speedup, replay
-from lookup_decode.stats import DecodeStats
-from lookup_decode.tree import branches
+from lookup_decode.cli.bench import command_line, environment, spread
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import CostCurve
+from lookup_decode.core.draft import kept_prefix
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import MEASURED_FIRST, PRIOR_LATER, DraftPolicy, bucket
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.core.tokens import as_token_array
+from lookup_decode.engines.hf.models import load_tokenizer
+from lookup_decode.engines.replay import estimated_speedup, replay
+from lookup_decode.sources.tree import branches
 
 SETS = ["cnn_dm", "hagrid", "code_edit", "mt_redundant", "editeval", "clapnq"]
 CAPS = [10, 32]

@@ -7,12 +7,12 @@ Each workload (see `benchmarks/memory_sessions.py`) is a sequence of requests wi
 replayed in order twice: without memory (each request drafts from its own prompt and output only,
 lookup_decode's default) and with one `Memory` for the whole workload (plus its `References`),
 where every request also drafts from earlier outputs and registered documents and then stores its
-output. Steps are replayed with `lookup_decode.replay.replay`: cap-32 drafts, all verified (mean
+output. Steps are replayed with `lookup_decode.engines.replay.replay`: cap-32 drafts, all verified (mean
 accepted length, bonus token included) and, with the forward-cost curve of a bench_generate run,
 with the adaptive policy choosing what to verify (modelled speed-up over plain decoding on that
 machine; the ratio of the two variants is the modelled speed-up of memory over no memory).
 --corpus-min-match / --alone-min-match replay other choices of how long a match in the memory or
-the references must be (lookup_decode.sources: CORPUS_MIN_MATCH while the request has a draft of its
+the references must be (lookup_decode.sources.proposer: CORPUS_MIN_MATCH while the request has a draft of its
 own, ALONE_MIN_MATCH when it has none); benchmarks/results/memory_replay/README.md has the comparison.
 """
 
@@ -30,17 +30,17 @@ from tqdm import tqdm
 from benchmarks import memory_sessions
 from benchmarks.common import eos_of
 from benchmarks.replay import load_cost_curve
-from lookup_decode import sources
-from lookup_decode.bench import environment
-from lookup_decode.config import LookupConfig
-from lookup_decode.cost import CostCurve
-from lookup_decode.index import SuffixIndex
-from lookup_decode.memory import Memory
-from lookup_decode.models import chat_ids, load_tokenizer
-from lookup_decode.policy import DraftPolicy
-from lookup_decode.replay import estimated_speedup, replay
-from lookup_decode.sources import SourcesProposer
-from lookup_decode.stats import DecodeStats
+from lookup_decode.cli.bench import environment
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import CostCurve
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import DraftPolicy
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
+from lookup_decode.engines.replay import estimated_speedup, replay
+from lookup_decode.sources import proposer as sources
+from lookup_decode.sources.memory import Memory
+from lookup_decode.sources.proposer import SourcesProposer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_COST = Path("benchmarks/results/generate/results.json")   # relative: run from the repository root

@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lookup_decode.bench import spread, throughput_ratio
+from lookup_decode.cli.bench import spread, throughput_ratio
 
 PLAIN, PROMPT_LOOKUP = "plain", "prompt_lookup"
 SUBSETS = {"all_prompts": "all prompts", "without_loops": "without loop-dominated prompts"}

@@ -4,7 +4,7 @@
     python -m benchmarks.scaling --parts output --cost-grid benchmarks/results/scaling/cost_grid.json
 
 Every part separates what is *measured* end to end with the default model on this machine from what
-is *projected*: a proposer replayed on a known output (no model; `lookup_decode.replay.replay`), each
+is *projected*: a proposer replayed on a known output (no model; `lookup_decode.engines.replay.replay`), each
 step priced as one forward over draft + 1 tokens with the forward cost *measured on this machine* at
 that context length (`cost_grid.py`; a synthetic KV cache stands in for contexts the model cannot
 hold or would take hours to prefill). Projections leave out proposer time (µs per step, reported).
@@ -44,21 +44,18 @@ from benchmarks.aider_after import move_method_to_top_level, parse_task
 from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup
 from benchmarks.common import Timeline, copy_share, eos_of, real_pairs
 from benchmarks.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
-from lookup_decode.bench import LOOP_THRESHOLD, PLAIN, Variant, environment, interleaved_order, loop_score, spread
-from lookup_decode.config import LookupConfig
-from lookup_decode.index import SuffixIndex
-from lookup_decode.models import chat_ids, load_tokenizer
-from lookup_decode.policy import FIRST_PRIOR_FACTOR, DraftPolicy
-from lookup_decode.replay import replay
+from benchmarks.scaling_report import LENGTHS, PROPOSERS, SHARES, K, markdown, plot
+from lookup_decode.cli.bench import LOOP_THRESHOLD, PLAIN, Variant, environment, interleaved_order, loop_score, spread
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import FIRST_PRIOR_FACTOR, DraftPolicy
+from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
+from lookup_decode.engines.replay import replay
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling"
-K = LookupConfig.k
 SIZES = [1, 2, 4, 8, 16, K + 1]      # forward sizes timed per context (a 33-token forward at 100k is slow on a CPU)
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000]
-LENGTHS = [8, 16, 32, 64, 128, 256, 512, 1024]
-SHARES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 LOOKUP = Variant("lookup_decode", lookup={"k": K})
-PROPOSERS = ["lookup_decode", "transformers_pld", "context_copy_ceiling"]
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -139,7 +136,7 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
     """End-to-end: plain and lookup_decode once per prompt, timelines -> speed-up after the first L tokens."""
     from transformers import StoppingCriteriaList
 
-    from lookup_decode.bench import run_variant
+    from lookup_decode.cli.bench import run_variant
     device = next(model.parameters()).device
     prompts = []
     for cat in args.output_categories:
@@ -361,7 +358,7 @@ def main(argv=None) -> int:
     model = None
     need_model = "output" in args.parts or args.cost_grid is None
     if need_model:
-        from lookup_decode.models import load_model
+        from lookup_decode.engines.hf.models import load_model
         model, tokenizer = load_model(args.model, device=device)
     else:
         tokenizer = load_tokenizer(args.model)
@@ -389,7 +386,6 @@ def main(argv=None) -> int:
     parts = {"output": ("output_length", lambda: part_output(args, model, tokenizer, cost, eos)),
              "context": ("context_length", lambda: part_context(args, tokenizer, cost, eos)),
              "copy": ("copy_share", lambda: part_copy(args, tokenizer, cost, eos))}
-    from benchmarks.scaling_report import markdown, plot
     for key in args.parts:
         name, run = parts[key]
         result = {"environment": env, "settings": vars(args), "cost_grid": grid, **run()}
@@ -405,7 +401,7 @@ def synthetic_vs_real(model, tokenizer, repeats: int, context: int = 2048) -> di
     import torch
 
     from benchmarks.cost_grid import synthetic_cache, time_forwards
-    from lookup_decode.cost import measure_forward_cost
+    from lookup_decode.engines.hf.forward import measure_forward_cost
     text = "".join(r["before_code"] for r in aider_rows()[:5])
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"][:context]])
     ids = ids.to(next(model.parameters()).device)

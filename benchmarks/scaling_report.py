@@ -6,7 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.scaling import K, LENGTHS, LOOP_THRESHOLD, PROPOSERS, SHARES
+from lookup_decode.cli.bench import LOOP_THRESHOLD
+from lookup_decode.core.config import LookupConfig
+
+# The study's grid: `scaling.py` runs it, this module renders what it measured.
+K = LookupConfig.k
+LENGTHS = [8, 16, 32, 64, 128, 256, 512, 1024]
+SHARES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+PROPOSERS = ["lookup_decode", "transformers_pld", "context_copy_ceiling"]
 
 
 def _cell(s: dict | None) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lookup_decode.draft import kept_prefix
+from lookup_decode.core.draft import kept_prefix
 
 
 @dataclass

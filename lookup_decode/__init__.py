@@ -6,21 +6,21 @@ Greedy output is token-for-token identical to plain `model.generate`; sampling k
 own distribution (lossless speculative sampling).
 """
 
-from lookup_decode.cache import UnsupportedCacheError
-from lookup_decode.config import LookupConfig
-from lookup_decode.corpus import CorpusFileError
-from lookup_decode.cost import COSTS, CostCurve, CostModel
-from lookup_decode.decode import Rows, decode, step
-from lookup_decode.draft import Draft, Drafter
-from lookup_decode.draft_model import DraftModelProposer
-from lookup_decode.hf import generate, lookup_decoding
-from lookup_decode.index import SuffixIndex
-from lookup_decode.memory import Memory, References
-from lookup_decode.models import ModelNotFoundError, load_model
-from lookup_decode.policy import DraftPolicy
-from lookup_decode.stats import DecodeStats
-from lookup_decode.stopping import StopStrings
-from lookup_decode.tree import TreeProposer
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import COSTS, CostCurve, CostModel
+from lookup_decode.core.decode import Rows, decode, step
+from lookup_decode.core.draft import Draft, Drafter
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import DraftPolicy
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.cache import UnsupportedCacheError
+from lookup_decode.engines.hf.draft_model import DraftModelProposer
+from lookup_decode.engines.hf.hook import generate, lookup_decoding
+from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
+from lookup_decode.engines.hf.stopping import StopStrings
+from lookup_decode.sources.corpus import CorpusFileError
+from lookup_decode.sources.memory import Memory, References
+from lookup_decode.sources.tree import TreeProposer
 
 __all__ = ["generate", "lookup_decoding", "decode", "step", "Rows", "Draft", "Drafter", "SuffixIndex", "TreeProposer",
            "DraftModelProposer", "DecodeStats", "LookupConfig", "DraftPolicy", "CostCurve", "CostModel", "COSTS",

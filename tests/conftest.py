@@ -79,5 +79,5 @@ def real_model():
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
-    from lookup_decode.models import chat_ids as template_ids
+    from lookup_decode.engines.hf.models import chat_ids as template_ids
     return template_ids(tokenizer, [{"role": "user", "content": text}])

@@ -3,19 +3,18 @@ and the row generated alone; ragged acceptance, early EOS, hole compaction, samp
 
 import numpy as np
 import pytest
-import torch
-
-import lookup_decode
 import test_sampling as ts
 import tiny_models
+import torch
 from conftest import TINY_ARCHS, VOCAB, chat_ids, make_tiny, repetitive_prompt
-from lookup_decode import DecodeStats
-from lookup_decode import Draft, LookupConfig
-from lookup_decode.cost import BatchCost, CostCurve
-from lookup_decode.forward import check_batch_memory
-from lookup_decode.policy import DraftPolicy
-from lookup_decode.verify import Rules
 from test_sampling import model  # noqa: F401  (the vocabulary-6 sampling model fixture)
+
+import lookup_decode
+from lookup_decode import DecodeStats, Draft, LookupConfig
+from lookup_decode.core.cost import CostCurve
+from lookup_decode.core.policy import DraftPolicy
+from lookup_decode.core.verify import Rules
+from lookup_decode.engines.hf.forward import check_batch_memory
 
 NEAR_TIE = 1e-5
 
@@ -240,9 +239,9 @@ def test_batched_sampling_negative_control_is_rejected(model):
 
 # ---------------------------------------------------------------- the width policy and bad input
 
-def relative_cost(curve: CostCurve, rows: int, k: int) -> BatchCost:
-    """A batch's width-cost ratios from a curve over total tokens (rows x w)."""
-    return BatchCost(np.array([np.inf] + [curve(rows * w) / curve(rows) for w in range(1, k + 2)]))
+def relative_cost(curve: CostCurve, rows: int, k: int) -> CostCurve:
+    """A batch's curve over widths from a curve over total tokens (rows x w)."""
+    return CostCurve(np.arange(1, k + 2), [curve(rows * w) for w in range(1, k + 2)], k + 1, rows=rows)
 
 
 def test_width_policy_drafts_less_as_the_batch_grows():
@@ -257,18 +256,6 @@ def test_width_policy_never_drafts_when_nothing_was_proposed():
     cost = relative_cost(CostCurve([1, 64], [1.0, 1.0], 64), 3, 8)
     empty = Draft(np.zeros(0, dtype=np.int32))
     assert DraftPolicy(8, cost).choose([empty] * 3) == 1
-
-
-def test_batch_cost_learns_ratios_against_width_one_steps_of_the_same_rows():
-    cost = BatchCost(np.array([np.inf, 1.0, 1.2, 1.4]))
-    cost.observe(8, 2, 3.0)                 # no width-1 step with 8 rows yet: nothing to compare with
-    assert cost(2) == 1.2
-    for _ in range(50):
-        cost.observe(8, 1, 1.0)
-        cost.observe(8, 2, 2.0)             # truly twice a width-1 step
-        cost.observe(4, 1, 0.5)             # fewer rows: a cheaper width-1 step must not move the ratios
-    assert cost(2) == pytest.approx(2.0, rel=1e-3)
-    assert cost(3) == 1.4 and cost(1) == 1.0
 
 
 def test_bad_batches_get_clear_errors(tiny_llama):

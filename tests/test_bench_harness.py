@@ -10,15 +10,21 @@ import torch
 
 from benchmarks import replay as study
 from benchmarks import report
-from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
-                                  TransformersPromptLookup, VllmNgram)
+from benchmarks.baselines import (
+    ContextCopyOracle,
+    SelectionOracle,
+    SubstitutionKey,
+    SuffixDecoding,
+    TransformersPromptLookup,
+    VllmNgram,
+)
 from benchmarks.common import accepted_histogram, first_mismatch
-from lookup_decode import bench, replay
-from lookup_decode.cost import CostCurve
-from lookup_decode.draft import Draft
-from lookup_decode.index import SuffixIndex
-from lookup_decode.stats import DecodeStats
-
+from lookup_decode.cli import bench
+from lookup_decode.core.cost import CostCurve
+from lookup_decode.core.draft import Draft
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines import replay
 
 # ------------------------------------------------------------------------------------ interleaving
 
@@ -188,7 +194,7 @@ def test_replay_accounting_with_scripted_drafts():
 
 
 def test_replay_with_policy_verifies_what_the_policy_chooses():
-    from lookup_decode.policy import DraftPolicy
+    from lookup_decode.core.policy import DraftPolicy
 
     class Fixed(DraftPolicy):
         def choose(self, drafts):
@@ -397,7 +403,7 @@ def test_read_requests_bad_folders(tmp_path):
 
 
 def test_bench_command_rejects_bad_input_before_loading_a_model(tmp_path):
-    from lookup_decode.cli import main
+    from lookup_decode.cli.commands import main
     path = write(tmp_path, "bad.jsonl", "{oops\n")
     with pytest.raises(SystemExit) as err:
         main(["bench", "--prompts", str(path)])
@@ -534,8 +540,9 @@ def test_bench_batch_measure_accounts_tokens_and_decode_time(tiny_llama):
     row's EOS, decode-only time taken from the same run (after the first token), never longer than the run."""
     from types import SimpleNamespace
 
-    from benchmarks import bench_batch
     from conftest import repetitive_prompt
+
+    from benchmarks import bench_batch
     rows = [repetitive_prompt(1)[0], repetitive_prompt(2, length=10)[0]]
     P = max(len(r) for r in rows)
     ids = torch.zeros((2, P), dtype=torch.long)

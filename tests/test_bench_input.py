@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lookup_decode import bench
+from lookup_decode.cli import bench
 
 
 def test_jsonl_line_separators_inside_strings(tmp_path):

@@ -4,11 +4,11 @@ Both tests were written before their fixes and failed then (issue 16).
 """
 
 import torch
-
 from conftest import VOCAB
-from lookup_decode.chat import chat_loop, run_chat
-from lookup_decode.memory import Memory
 from test_failure_paths import short_gpt2
+
+from lookup_decode.cli.chat import chat_loop, run_chat
+from lookup_decode.sources.memory import Memory
 
 
 class WordTokenizer:

@@ -10,11 +10,11 @@ import zipfile
 import numpy as np
 import pytest
 
-from lookup_decode import automaton as K
-from lookup_decode import index as index_module
-from lookup_decode.corpus import CorpusFileError
-from lookup_decode.index import SuffixIndex
-from lookup_decode.memory import Memory, References
+from lookup_decode.core import automaton as K
+from lookup_decode.core import index as index_module
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.sources.corpus import CorpusFileError
+from lookup_decode.sources.memory import Memory, References
 
 
 def text(n, seed=0):

@@ -1,13 +1,13 @@
-"""Cold start of the cost model: a shape prior corrected by a few forwards, and curves cached on disk."""
+"""The cost model: one curve type (seconds per forward of rows x width), built from a shape prior corrected by a
+few forwards or from timings, refined online, and cached on disk."""
 
 import numpy as np
 import pytest
 import torch
 
 import lookup_decode
-from lookup_decode.cost import (CACHE_ENV, QUICK_SIZES, SAVE_EVERY, CostCurve, CostModel, prior_seconds, quick_curve,
-                                shape_of)
-from lookup_decode.stats import DecodeStats
+from lookup_decode.core.cost import CACHE_ENV, QUICK_SIZES, SAVE_EVERY, CostCurve, CostModel, prior_seconds, shape_of
+from lookup_decode.core.stats import DecodeStats
 
 
 def linear(calls):
@@ -21,17 +21,41 @@ def test_quick_curve_times_three_sizes_and_matches_them():
     calls = []
     prior = prior_seconds({"params": 10**6, "bytes_per_param": 4, "layers": 2, "vocab": 96, "device": "cpu"},
                           np.arange(34))
-    curve = quick_curve(linear(calls), 33, prior)
+    curve = CostCurve.from_prior(prior, linear(calls), 33)
     assert sorted(set(calls)) == sorted(QUICK_SIZES) and len(calls) == 2 * len(QUICK_SIZES)
     for n in QUICK_SIZES:
         assert curve(n) == pytest.approx(1.0 + 0.5 * n)
-    assert curve.max_n == 33
+    assert curve.max_w == 33
 
 
 def test_quick_curve_times_only_allowed_sizes():
     calls = []
-    curve = quick_curve(linear(calls), 33, np.linspace(1, 2, 34), sizes=[1, 2, 4, 8, 16, 32])
-    assert set(calls) == {1, 8, 32} and curve.max_n == 33
+    curve = CostCurve.from_prior(np.linspace(1, 2, 34), linear(calls), 33, sizes=[1, 2, 4, 8, 16, 32])
+    assert set(calls) == {1, 8, 32} and curve.max_w == 33
+
+
+def test_from_timings_times_the_grid_and_goes_through_it():
+    calls = []
+    curve = CostCurve.from_timings(linear(calls), 12)
+    assert {1, 2, 3, 4, 6, 8, 10, 12} <= set(calls)
+    assert all(curve(w) == pytest.approx(1.0 + 0.5 * w) for w in range(1, 13))
+
+
+def test_one_error_type_for_widths_the_curve_does_not_cover():
+    curve = CostCurve([1, 8], [1.0, 2.0], 8)
+    for bad in (lambda: curve(9), lambda: curve(0), lambda: curve.prices(9), lambda: CostCurve([1], [0.0], 4)):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_a_curve_learns_from_its_own_rows_only():
+    curve = CostCurve([1, 3], [1.0, 1.4], 3, rows=8)
+    curve.observe(4, 2, 5.0)                 # another batch size: another curve's business
+    assert curve(2) == 1.2
+    for _ in range(200):
+        curve.observe(8, 1, 1.0)
+        curve.observe(8, 2, 2.0)             # truly twice a width-1 forward
+    assert curve(2) / curve(1) == pytest.approx(2.0, rel=0.02)
 
 
 def test_prior_is_flat_on_a_gpu_and_steep_on_a_cpu():
@@ -127,11 +151,14 @@ def test_second_process_pays_no_calibration_forwards(tiny_llama, tmp_path):
 
 def test_batch_calibration_times_three_widths_and_follows_them(tiny_llama, tmp_path):
     # A cold batch prices widths from the shape prior of rows x w tokens, corrected by widths 1, 8 and the widest
-    # (each timed twice), not by timing the whole grid; the relative costs go through the timed points.
+    # (each timed twice), not by timing the whole grid; the curve goes through the timed points.
     calls = []
-    cost = CostModel(tmp_path).batch(tiny_llama, 16, 33, linear(calls))
+    costs = CostModel(tmp_path)
+    cost = costs.curve(tiny_llama, 33, linear(calls), rows=16)
     assert sorted(set(calls)) == [1, 8, 33] and len(calls) == 6
-    assert cost(1) == 1.0 and all(np.isclose(cost(w), (1 + 0.5 * w) / 1.5) for w in (8, 33))
+    assert cost.rows == 16 and all(np.isclose(cost(w), 1 + 0.5 * w) for w in (1, 8, 33))
+    # Each batch call gets its own copy (its scale is its own); one sequence shares the live curve.
+    assert costs.curve(tiny_llama, 33, None, rows=16) is not cost
     calls.clear()
-    CostModel(tmp_path, full=True).batch(tiny_llama, 4, 33, linear(calls))
+    CostModel(tmp_path, full=True).curve(tiny_llama, 33, linear(calls), rows=4)
     assert len(set(calls)) > 3

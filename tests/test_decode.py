@@ -2,17 +2,17 @@
 
 import numpy as np
 import pytest
+import reference
 import torch
+from conftest import VOCAB, make_tiny, repetitive_prompt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import lookup_decode
-import reference
-from conftest import VOCAB, make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats, Draft
-from lookup_decode.stopping import first_stop, first_stops
+from lookup_decode.engines.hf.stopping import first_stop, first_stops
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 

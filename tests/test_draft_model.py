@@ -2,14 +2,14 @@
 
 import pytest
 import torch
+from conftest import make_tiny, repetitive_prompt
+from test_sampling import CONFIGS, PROMPT, L, V, exact_joint, sample_counts
+from test_verify import ALPHA, chi_square_pvalue
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lookup_decode
-from lookup_decode.verify import Rules
-from conftest import make_tiny, repetitive_prompt
 from lookup_decode import DecodeStats, DraftModelProposer
-from test_sampling import CONFIGS, L, PROMPT, V, exact_joint, sample_counts
-from test_verify import ALPHA, chi_square_pvalue
+from lookup_decode.core.verify import Rules
 
 
 def tiny_llama(vocab, seed, init=0.3, hidden=16):

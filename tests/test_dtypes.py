@@ -6,13 +6,13 @@ are equal, or differ only after a step where plain decoding's top-2 logits were 
 """
 
 import pytest
+import tiny_models
 import torch
+from conftest import repetitive_prompt
+from test_model_coverage import assert_same_greedy
 
 import lookup_decode
-import tiny_models
-from conftest import repetitive_prompt
 from lookup_decode import DecodeStats
-from test_model_coverage import assert_same_greedy
 
 # Near-tie tolerance on the logits per dtype: about the rounding step of a logit of size ~4.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}

@@ -6,14 +6,14 @@ its cross-attention cache, and only the self-attention half of the EncoderDecode
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
+from conftest import repetitive_prompt
+from test_model_coverage import assert_same_greedy
 from transformers.generation.utils import GenerateEncoderDecoderOutput
 
 import lookup_decode
-import tiny_models
-from conftest import repetitive_prompt
 from lookup_decode import DecodeStats, SuffixIndex
-from test_model_coverage import assert_same_greedy
 
 N_NEW = 40
 
@@ -96,7 +96,7 @@ def test_return_dict_and_scores(copier):
 
 
 def test_draft_model_proposer_refused():
-    from lookup_decode.draft_model import DraftModelProposer
+    from lookup_decode.engines.hf.draft_model import DraftModelProposer
     model = tiny_models.build("bart")
     draft = DraftModelProposer(tiny_models.build("llama"))
     with pytest.raises(ValueError, match="BartForConditionalGeneration: draft-model proposers"):

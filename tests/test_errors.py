@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import VOCAB, repetitive_prompt
 from transformers import MambaConfig, MambaForCausalLM
 
 import lookup_decode
-from conftest import VOCAB, repetitive_prompt
 from lookup_decode import UnsupportedCacheError
 
 

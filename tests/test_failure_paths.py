@@ -6,13 +6,13 @@ Each test here was written before its fix and failed then (the report of issue 1
 import numpy as np
 import pytest
 import torch
+from conftest import VOCAB, repetitive_prompt
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import lookup_decode
-from conftest import VOCAB, repetitive_prompt
 from lookup_decode import DecodeStats
-from lookup_decode.cost import CostModel
-from lookup_decode.draft import Draft
+from lookup_decode.core.cost import CostModel
+from lookup_decode.core.draft import Draft
 
 
 def short_gpt2(n_positions: int = 64):
@@ -161,7 +161,7 @@ def test_nan_probabilities_refused(tiny_llama):
 
 
 def test_nan_probabilities_refused_without_processors():
-    from lookup_decode.verify import sample_rows
+    from lookup_decode.core.verify import sample_rows
     probs = torch.full((2, 5), float("nan"))
     with pytest.raises(ValueError, match="nan or inf"):
         sample_rows(probs, torch.rand(2, dtype=torch.float64))
@@ -201,7 +201,7 @@ class ByteTokenizer:
 
 @pytest.mark.parametrize("stop", ["。", "🙂", "end。"])
 def test_stop_string_ending_in_a_multibyte_character(stop):
-    from lookup_decode.stopping import StopStrings
+    from lookup_decode.engines.hf.stopping import StopStrings
     criterion = StopStrings(ByteTokenizer(), [stop])
     text = list(("some text " + stop).encode())
     hits = [bool(criterion(torch.tensor([text[:j + 1]]))[0]) for j in range(len(text))]
@@ -229,7 +229,7 @@ def test_trees_on_windowed_and_conv_caches_are_exact(family):
 # --- batch memory check: logits counted, free memory read as the OS reports it ----------------------------
 
 def test_batch_memory_check_counts_the_logits(tiny_llama):
-    from lookup_decode.forward import batch_memory_bytes, check_batch_memory
+    from lookup_decode.engines.hf.forward import batch_memory_bytes, check_batch_memory
     kv = batch_memory_bytes(tiny_llama, 8, 200, 32, logits=False)
     with_logits = batch_memory_bytes(tiny_llama, 8, 200, 32)
     assert with_logits - kv == 8 * 33 * VOCAB * 4        # float32 [B, k + 1, V] of one verify forward
@@ -240,7 +240,8 @@ def test_batch_memory_check_counts_the_logits(tiny_llama):
 def test_free_cpu_memory_counts_reclaimable_cache():
     """SC_AVPHYS_PAGES leaves out the page cache the OS gives back on demand: it refused batches that fit."""
     import os
-    from lookup_decode.forward import _free_memory
+
+    from lookup_decode.engines.hf.forward import _free_memory
     with open("/proc/meminfo") as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     free = _free_memory(torch.device("cpu"))

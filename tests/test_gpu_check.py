@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.forced_replay import Forced, build, config_of, forced_replay, load_pairs, remap, PAIRS  # noqa: E402
+from benchmarks.forced_replay import PAIRS, Forced, build, config_of, forced_replay, load_pairs, remap  # noqa: E402
 
 
 def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+import reference
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference
 from lookup_decode import SuffixIndex
 
 

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookup_decode.draft import Draft
 from lookup_decode import CorpusFileError, Memory, References, SuffixIndex
-from lookup_decode.corpus import SEPARATOR
-from lookup_decode.memory import LOW_WATER
-from lookup_decode.sources import SourcesProposer, check_sources
+from lookup_decode.core.draft import Draft
+from lookup_decode.sources.corpus import SEPARATOR
+from lookup_decode.sources.memory import LOW_WATER
+from lookup_decode.sources.proposer import SourcesProposer, check_sources
 
 
 def cross_trace(docs, query):

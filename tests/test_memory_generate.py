@@ -5,9 +5,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import VOCAB, chat_ids, repetitive_prompt
 
 import lookup_decode
-from conftest import VOCAB, chat_ids, repetitive_prompt
 from lookup_decode import DecodeStats, Memory, References
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -134,7 +134,7 @@ def test_wrong_kinds_are_refused(tiny_llama):
 def test_real_model_second_request_copies_from_memory(real_model):
     """A first chat, then a fresh chat re-asking the same question and a second turn re-asking for the
     earlier answer (MT-Redundant): identical to plain generate; the fresh chat's answer comes from memory."""
-    from test_real_model import REQUESTS              # copied into tests/data: no ../shared/data needed
+    from test_real_model import REQUESTS  # copied into tests/data: no ../shared/data needed
     model, tokenizer = real_model
     req = next(r for r in REQUESTS if r.category == "mt_redundant")
     memory = Memory(max_tokens=50_000)
@@ -173,7 +173,7 @@ class CharTokenizer:
 def test_chat_loop_keeps_one_memory_across_turns(tiny_llama, tmp_path):
     import io
 
-    from lookup_decode.chat import chat_loop
+    from lookup_decode.cli.chat import chat_loop
     memory = Memory(max_tokens=10_000)
     lines = ["tell me a story", "tell me a story", "/reset", "tell me a story", "/exit", "never read"]
     err = io.StringIO()

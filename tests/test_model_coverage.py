@@ -7,11 +7,11 @@ The results feed the README compatibility table (scripts/compat_table.py).
 """
 
 import pytest
+import tiny_models
 import torch
+from conftest import repetitive_prompt
 
 import lookup_decode
-import tiny_models
-from conftest import repetitive_prompt
 from lookup_decode import DecodeStats, UnsupportedCacheError
 
 N_NEW = 40

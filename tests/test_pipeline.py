@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lookup_decode.pipeline import Job, Output, read_input, run
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.engines.pipeline import Job, Output, read_input, run
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = 256
@@ -40,7 +41,7 @@ PROMPTS = [
 def model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lookup_decode.models import load_tokenizer
+    from lookup_decode.engines.hf.models import load_tokenizer
     folder = tmp_path_factory.mktemp("tiny_chat_llama")
     tok = load_tokenizer()
     torch.manual_seed(0)
@@ -56,7 +57,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Plain greedy model.generate of each prompt alone: text and token count up to EOS."""
-    from lookup_decode.models import load_model
+    from lookup_decode.engines.hf.models import load_model
     model, tok = load_model(model_dir)
 
     def ref(prompt, max_new_tokens):
@@ -101,8 +102,8 @@ def assert_exact(records, rows, reference):
 
 
 def job(model_dir, **kw):
-    return Job(**{"model": str(model_dir), "max_new_tokens": 16, "batch_size": 3, "threads": 1, "adaptive": False,
-                  **kw})
+    return Job(**{"model": str(model_dir), "max_new_tokens": 16, "batch_size": 3, "threads": 1,
+                  "lookup": LookupConfig(adaptive=False), **kw})
 
 
 def test_read_input_names_line_and_cause(tmp_path):

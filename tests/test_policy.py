@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookup_decode import Draft
-from lookup_decode.cost import CostCurve
-from lookup_decode.policy import DraftPolicy, bucket
+from lookup_decode.core.cost import CostCurve
+from lookup_decode.core.policy import DraftPolicy, bucket
 
 
 def brute_expected_emitted(a1: float, a2: float, d: int) -> float:
@@ -35,7 +35,7 @@ def policy_with(k: int, cost: CostCurve, a1: float, a2: float, match_len: int) -
 def test_never_picks_a_draft_whose_gain_is_below_its_cost(seconds, a1, a2, match_len, k, available):
     # A synthetic, non-monotone cost curve: random seconds at sizes 1, 4, 7, ... (linear in between).
     sizes = [1 + 3 * i for i in range(len(seconds))]
-    cost = CostCurve(sizes, seconds, max_n=k + 1)
+    cost = CostCurve(sizes, seconds, k + 1)
     policy = policy_with(k, cost, a1, a2, match_len)
     d = policy.choose(draft_of(available, match_len)) - 1
     max_d = min(k, available)
@@ -55,7 +55,7 @@ def test_choices_on_a_non_monotone_curve(a1, a2, expect):
     # CPU-like curve: rises to 8 tokens, cheaper at 9 (a better kernel shape), then rises again.
     sizes = [1, 2, 4, 8, 9, 16, 33]
     seconds = [1.0, 1.1, 1.3, 1.8, 1.4, 2.6, 5.0]
-    cost = CostCurve(sizes, seconds, max_n=33)
+    cost = CostCurve(sizes, seconds, 33)
     d = policy_with(32, cost, a1, a2, match_len=8).choose(draft_of(32, 8)) - 1
     rates = [brute_expected_emitted(a1, a2, j) / cost(j + 1) for j in range(33)]
     assert d == int(np.argmax(rates))
@@ -106,7 +106,7 @@ def test_observing_a_batch_at_once_equals_observing_rows_in_turn(rows):
 
 
 def test_buckets_of_many_equal_bucket_of_each():
-    from lookup_decode.policy import buckets
+    from lookup_decode.core.policy import buckets
     lens = np.array([0, 1, 2, 3, 4, 7, 8, 127, 128, 129, 2**20, 2**31 - 1])
     assert buckets(lens).tolist() == [bucket(int(m)) for m in lens]
 

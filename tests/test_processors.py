@@ -1,11 +1,17 @@
 """Processors: prefix-free tails run once over all rows and give exactly the per-row scores."""
 
 import torch
-from transformers import (LogitsProcessorList, MinPLogitsWarper, NoRepeatNGramLogitsProcessor,
-                          RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from lookup_decode.verify import Processors
+from lookup_decode.core.verify import Processors
 
 
 def test_only_a_prefix_free_tail_is_split_off():
@@ -38,3 +44,32 @@ def test_call_applies_head_then_tail_like_the_list():
     procs = [RepetitionPenaltyLogitsProcessor(1.5), NoRepeatNGramLogitsProcessor(2), TemperatureLogitsWarper(0.5),
              TopKLogitsWarper(4)]
     assert torch.equal(Processors(procs)(ids, scores.clone()), LogitsProcessorList(procs)(ids, scores.clone()))
+
+
+class RowIndexed:
+    """A prefix-dependent processor that reads each row's index in the batch (like prefix_allowed_tokens_fn)."""
+
+    def __call__(self, input_ids, scores):
+        return scores + torch.arange(scores.shape[0], dtype=scores.dtype)[:, None] * (input_ids[:, -1:] == 3)
+
+
+def test_one_row_alone_scores_as_the_whole_batch_does():
+    # Row-local views (repetition penalty with per-row padding lengths, no-repeat n-gram, min new tokens) score
+    # row b alone exactly as the [B, length] batch call scores it; a processor that is not known to be row-local
+    # (it reads the row's index) still runs on the whole batch.
+    from transformers import MinNewTokensLengthLogitsProcessor
+    g = torch.Generator().manual_seed(2)
+    B, V, L = 6, 40, 30
+    ids = torch.randint(0, V, (B, L), generator=g)
+    pads = torch.tensor([0, 3, 0, 7, 1, 2])
+    for procs, local in [([RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=pads),
+                           NoRepeatNGramLogitsProcessor(2), MinNewTokensLengthLogitsProcessor(5, 10, [0])], True),
+                         ([RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=pads), RowIndexed()], False)]:
+        p = Processors(procs)
+        assert p.row_local is local
+        for b in range(B):
+            for length in (12, 30):
+                row = torch.randn(1, V, generator=g)
+                batch = row.expand(B, -1).clone()
+                want = LogitsProcessorList(procs)(ids[:, :length], batch)[b: b + 1]
+                assert torch.equal(p.head_row(ids, b, length, row), want)

@@ -13,12 +13,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from test_verify import ALPHA, chi_square_pvalue
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import lookup_decode
 from lookup_decode import DecodeStats
-from lookup_decode.verify import Rules, sample_rows
-from test_verify import ALPHA, chi_square_pvalue
+from lookup_decode.core.verify import Rules, sample_rows
 
 V, L, N = 6, 3, 2000
 # The model's own greedy loop, repeated: the index drafts what the model tends to say.

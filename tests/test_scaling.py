@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import repetitive_prompt
 
 from benchmarks import bench_generate, report, workloads
 from benchmarks.aider_after import move_method_to_top_level, parse_task
 from benchmarks.common import Timeline, copy_share
 from benchmarks.cost_grid import CostGrid, plain_times, step_times, synthetic_cache, time_forwards, time_to
 from benchmarks.scaling import PROPOSERS, bucket_medians, controlled_copy_output, projected
-from conftest import repetitive_prompt
-from lookup_decode import bench
+from lookup_decode.cli import bench
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,16 +9,15 @@ import functools
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
+from conftest import repetitive_prompt
+from test_model_coverage import assert_same_greedy
 from transformers import StaticCache
 
 import lookup_decode
-import tiny_models
-from conftest import repetitive_prompt
-from lookup_decode import DecodeStats, UnsupportedCacheError
-from lookup_decode import Draft
-from lookup_decode.policy import BUCKETS, DraftPolicy
-from test_model_coverage import assert_same_greedy
+from lookup_decode import DecodeStats, Draft, UnsupportedCacheError
+from lookup_decode.core.policy import BUCKETS, DraftPolicy
 
 STATIC = dict(do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
 

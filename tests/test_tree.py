@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from conftest import VOCAB, make_tiny
 
 import lookup_decode
-from conftest import VOCAB, make_tiny
 from lookup_decode import DecodeStats
-from lookup_decode.forward import tree_mask
-from lookup_decode.tree import TreeProposer, build_tree
-from lookup_decode.verify import Rules, accept_tree
+from lookup_decode.core.verify import Rules, accept_tree
+from lookup_decode.engines.hf.forward import tree_mask
+from lookup_decode.sources.tree import TreeProposer, build_tree
 
 GREEDY = dict(do_sample=False, pad_token_id=0)
 
@@ -119,7 +119,7 @@ def _descend_first_branch(tokens, parents, row_scores, uniforms):
         node = kids[0]
         path.append(node)
         rows.append(row_scores(node + 1, path))
-    from lookup_decode.verify import sample_rows
+    from lookup_decode.core.verify import sample_rows
     x = sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[len(path): len(path) + 1])
     return torch.cat([torch.as_tensor(tokens[path], dtype=torch.long), x.long()]), path, rows
 

@@ -5,7 +5,13 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from lookup_decode.verify import accept_greedy, accept_row_by_row, accept_sampled, accept_with_draft_probs, sample_rows
+from lookup_decode.core.verify import (
+    accept_greedy,
+    accept_row_by_row,
+    accept_sampled,
+    accept_with_draft_probs,
+    sample_rows,
+)
 
 V = 8
 

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from benchmarks.vllm_runner import SimRequest, SimRunner
-from lookup_decode import vllm as lv
-from lookup_decode.corpus import CorpusFileError
-from lookup_decode.index import SuffixIndex
-from lookup_decode.memory import Memory, References
-from lookup_decode.policy import DraftPolicy
-from lookup_decode.replay import replay
-from lookup_decode.sources import SourcesProposer
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import DraftPolicy
+from lookup_decode.engines import vllm as lv
+from lookup_decode.engines.replay import replay
+from lookup_decode.sources.corpus import CorpusFileError
+from lookup_decode.sources.memory import Memory, References
+from lookup_decode.sources.proposer import SourcesProposer
 
 EOS = (2,)
 
@@ -133,7 +133,7 @@ def test_partial_prefill_rows_get_no_draft_and_no_state():
 
 
 def test_memory_stays_within_bounds_over_10000_requests(tmp_path):
-    bound = 40 * lv._estimated_bytes(1)                # room for 40 short requests' indexes
+    bound = 40 * SuffixIndex.bytes_for(1)                # room for 40 short requests' indexes
     settings = lv.Settings(max_index_bytes=bound, idle_steps=4, memory_tokens=5_000,
                            memory_save=str(tmp_path / "replica.mem"), save_every=500)
     drafter = lv.LookupDrafter.from_settings(settings, 4, eos_token_ids=EOS)
@@ -276,7 +276,7 @@ def test_vllm_loads_the_drafter(clean_env):
 
 def test_index_bytes_stay_within_bound_when_indexes_grow():
     """Indexes double their buffers as requests grow past 1024 tokens; the bound still holds."""
-    bound = 3 * lv._estimated_bytes(1024)             # one grown index (2 units) fits, two do not
+    bound = 3 * SuffixIndex.bytes_for(1024)             # one grown index (2 units) fits, two do not
     drafter = lv.LookupDrafter.from_settings(lv.Settings(max_index_bytes=bound), 8, eos_token_ids=EOS)
     rng = np.random.default_rng(3)
     requests = []

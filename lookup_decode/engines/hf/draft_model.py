@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lookup_decode.cache import cache_argument, check_croppable, crop, new_cache
-from lookup_decode.draft import Draft
-from lookup_decode.index import as_token_array
+from lookup_decode.core.draft import Draft
+from lookup_decode.core.tokens import as_token_array
+from lookup_decode.engines.hf.cache import cache_argument, check_croppable, crop, new_cache
 
 
 class DraftModelProposer:

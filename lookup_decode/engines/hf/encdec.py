@@ -42,7 +42,7 @@ def decoder_forward_kwargs(model, model_kwargs) -> dict:
 
 
 def check_proposer(model, proposer) -> None:
-    from lookup_decode.draft_model import DraftModelProposer
+    from lookup_decode.engines.hf.draft_model import DraftModelProposer
     if isinstance(proposer, DraftModelProposer):
         raise ValueError(f"{type(model).__name__}: draft-model proposers are not supported for "
                                     "encoder-decoder models; use the default lookup proposer")

@@ -20,9 +20,9 @@ from collections import Counter
 
 import numpy as np
 
-from lookup_decode.corpus import Corpus, Cursor
-from lookup_decode.draft import Draft, kept_prefix
-from lookup_decode.index import as_token_array
+from lookup_decode.core.draft import Draft, kept_prefix
+from lookup_decode.core.tokens import as_token_array
+from lookup_decode.sources.corpus import Corpus, Cursor
 
 REQUEST, MEMORY, REFERENCES = "request", "memory", "references"
 CORPUS_MIN_MATCH = 4
@@ -86,7 +86,7 @@ class SourcesProposer:
 
 def check_sources(memory, references) -> list[tuple[str, Corpus]]:
     """(name, corpus) pairs for generate(memory=..., references=...), in tie-break order; TypeError if wrong."""
-    from lookup_decode.memory import Memory, References
+    from lookup_decode.sources.memory import Memory, References
     out = []
     for name, value, cls in ((MEMORY, memory, Memory), (REFERENCES, references, References)):
         if value is None:

@@ -14,6 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from lookup_decode.core.config import LookupConfig
+
+DEFAULTS = LookupConfig()      # every command's lookup options default to the library's
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder "
@@ -22,11 +26,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
 
 
-def _add_lookup_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--k", type=int, default=32, help="most draft tokens verified per step (default 32)")
-    p.add_argument("--min-match", type=int, default=1, help="shortest matched suffix that backs a draft")
-    p.add_argument("--max-match", type=int, default=64)
+def _add_lookup_args(p: argparse.ArgumentParser, k_only: bool = False) -> None:
+    p.add_argument("--k", type=int, default=DEFAULTS.k, help=f"most draft tokens verified per step (default {DEFAULTS.k})")
+    if k_only:
+        return
+    p.add_argument("--min-match", type=int, default=DEFAULTS.min_match,
+                   help=f"shortest matched suffix that backs a draft (default {DEFAULTS.min_match})")
+    p.add_argument("--max-match", type=int, default=DEFAULTS.max_match, help=f"(default {DEFAULTS.max_match})")
     p.add_argument("--no-adaptive", action="store_true", help="always verify the whole draft (no cost model)")
+
+
+def lookup_config(args) -> LookupConfig:
+    """The command line's lookup options as a LookupConfig (validated there; errors end the command)."""
+    given = {name: getattr(args, name) for name in ("k", "min_match", "max_match") if hasattr(args, name)}
+    if hasattr(args, "no_adaptive"):
+        given["adaptive"] = not args.no_adaptive
+    try:
+        return LookupConfig(**given)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"lookup-decode: {e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_lookup_args(g)
 
-    from lookup_decode import chat
+    from lookup_decode.cli import chat
     c = sub.add_parser("chat", help="multi-turn chat on stdin with a session memory across turns (and runs)")
     chat.add_arguments(c)
     _add_model_args(c)
-    c.add_argument("--k", type=int, default=32, help="most draft tokens verified per step (default 32)")
+    _add_lookup_args(c, k_only=True)
 
-    from lookup_decode import bench
+    from lookup_decode.cli import bench
     b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
     bench.add_arguments(b)
 
@@ -81,7 +99,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args) -> int:
-    from lookup_decode.pipeline import Job, run
+    from lookup_decode.engines.pipeline import Job, run
     _validate(args)
     for name in ("batch_size", "actors"):
         if getattr(args, name) < 1:
@@ -90,8 +108,7 @@ def cmd_run(args) -> int:
         raise SystemExit(f"lookup-decode: --references {args.references!r} is not a folder")
     job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
               threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
-              k=args.k, min_match=args.min_match, max_match=args.max_match, adaptive=not args.no_adaptive,
-              references=args.references, plain=args.plain)
+              lookup=lookup_config(args), references=args.references, plain=args.plain)
     try:
         summary = run(job, args.input, args.output, use_ray=args.ray or args.ray_address is not None,
                       ray_address=args.ray_address, actors=args.actors, progress=not args.no_progress)
@@ -127,7 +144,7 @@ def _validate(args) -> None:
 
 
 def load(args):
-    from lookup_decode.models import load_quietly
+    from lookup_decode.engines.hf.models import load_quietly
     return load_quietly(args.model, args.threads)
 
 
@@ -136,16 +153,11 @@ def cmd_generate(args, loaded=None) -> int:
     from transformers import StoppingCriteriaList, TextStreamer
 
     import lookup_decode
-    from lookup_decode.config import LookupConfig
-    from lookup_decode.models import chat_ids
+    from lookup_decode.engines.hf.models import chat_ids
 
     _validate(args)
     prompt = _read_prompt(args)
-    try:
-        config = LookupConfig(k=args.k, min_match=args.min_match, max_match=args.max_match,
-                              adaptive=not args.no_adaptive)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
+    config = lookup_config(args)
     model, tokenizer = loaded if loaded is not None else load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
         [{"role": "user", "content": prompt}]
@@ -165,14 +177,13 @@ def cmd_generate(args, loaded=None) -> int:
         # cost once per process; neither belongs in a per-request comparison.
         warm = dict(gen_kwargs, max_new_tokens=4)
         model.generate(input_ids, **warm)
-        lookup_decode.generate(model, input_ids, k=config.k, **warm)
+        model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(config), **warm)
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     try:
-        out = lookup_decode.generate(model, input_ids, streamer=streamer, stats=stats, generator=generator,
-                                     k=config.k, min_match=config.min_match, max_match=config.max_match,
-                                     adaptive=config.adaptive, **gen_kwargs)
+        out = model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(
+            config, stats=stats, generator=generator, streamer=streamer), **gen_kwargs)
     except ValueError as e:
         raise SystemExit(f"lookup-decode: {e}")
     lookup_s = time.perf_counter() - start
@@ -212,11 +223,11 @@ def main(argv=None, loaded=None) -> int:
     if args.command == "generate":
         return cmd_generate(args, loaded)
     if args.command == "chat":
-        from lookup_decode.chat import cmd_chat
+        from lookup_decode.cli.chat import cmd_chat
         return cmd_chat(args)
     if args.command == "run":
         return cmd_run(args)
-    from lookup_decode import bench
+    from lookup_decode.cli import bench
     return bench.run(args)
 
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.config import LookupConfig
-from lookup_decode.cost import sync
-from lookup_decode.stats import DecodeStats
-from lookup_decode.stopping import eos_ids
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import sync
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.core.tokens import eos_ids
+from lookup_decode.engines.records import RecordError, messages_of, read_rows
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
@@ -47,36 +48,17 @@ def _fail(where: str, what: str):
 
 
 def _messages_from(row, where: str) -> list[dict]:
-    if not isinstance(row, dict):
-        _fail(where, f"expected a JSON object, got {type(row).__name__}")
-    if "messages" in row:
-        messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            _fail(where, "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                _fail(where, f"messages[{i}] must be an object with string 'role' and 'content'")
-        return messages
-    if "prompt" in row:
-        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-            _fail(where, "'prompt' must be a non-empty string")
-        return [{"role": "user", "content": row["prompt"]}]
-    _fail(where, "missing field: each line needs a 'messages' list or a 'prompt' string")
-
-
-def _read_text(path: Path) -> str:
     try:
-        with open(path, encoding="utf-8", newline="") as f:     # newline="": keep \r and \u2028 as they are
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        _fail(str(path), f"cannot read: {e}")
+        return messages_of(row)
+    except RecordError as e:
+        _fail(where, str(e))
 
 
 def read_requests(path: str | Path) -> list[BenchRequest]:
-    """Requests from a JSONL file (one {"messages": [...]} or {"prompt": "..."} per line) or a folder of .txt files.
+    """Requests from a JSONL or Parquet file of records (`engines.records`: one {"messages": [...]} or
+    {"prompt": "..."} each) or from a folder of .txt files (each one user message).
 
     Anything malformed raises SystemExit naming the file and, for JSONL, the line (1-based).
-    Blank lines are skipped.
     """
     path = Path(path)
     if not path.exists():
@@ -87,23 +69,20 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
             _fail(str(path), "folder holds no .txt files")
         out = []
         for f in files:
-            text = _read_text(f)
+            try:
+                with open(f, encoding="utf-8", newline="") as fh:     # newline="": keep \r and \u2028 as they are
+                    text = fh.read()
+            except (OSError, UnicodeDecodeError) as e:
+                _fail(str(f), f"cannot read: {e}")
             if not text.strip():
                 _fail(str(f), "empty file")
             out.append(BenchRequest(f.name, [{"role": "user", "content": text}]))
         return out
     out = []
-    # JSON Lines end lines with \n (or \r\n) only: str.splitlines() would also split on U+2028, U+2029,
-    # \x85, ... which are legal unescaped inside a JSON string.
-    for lineno, line in enumerate(_read_text(path).split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if not line.strip():
-            continue
+    for lineno, row in read_rows(path):
         where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            _fail(where, f"not valid JSON ({e.msg} at column {e.colno})")
+        if isinstance(row, RecordError):
+            _fail(where, str(row))
         out.append(BenchRequest(f"{path.name}:{lineno}", _messages_from(row, where)))
     if not out:
         _fail(str(path), "empty file: no requests")
@@ -170,7 +149,7 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
         lookup = dict(variant.lookup)
         width = lookup.pop("tree_width", 1)
         if width > 1:   # trees: a fresh TreeProposer per run (a proposer holds one request's text)
-            from lookup_decode.tree import TreeProposer
+            from lookup_decode.sources.tree import TreeProposer
             lookup["proposer"] = TreeProposer(width=width, min_match=lookup.get("min_match", 1),
                                               eos_token_ids=eos_ids(model.generation_config))
     out, seconds, stats = timed_generate(model, input_ids, lookup, **kwargs)
@@ -275,7 +254,7 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
            "command": command_line()}
     if model is not None:
         if model_path is None:
-            from lookup_decode.models import default_gguf
+            from lookup_decode.engines.hf.models import default_gguf
             model_path = default_gguf().name
         env["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
         env["model"] = str(model_path)
@@ -322,7 +301,7 @@ def add_arguments(parser) -> None:
 
 def prompt_ids(tokenizer, requests: list[BenchRequest], device) -> list:
     """Each request's prompt ids through the chat template; an error names the request (file:line)."""
-    from lookup_decode.models import chat_ids
+    from lookup_decode.engines.hf.models import chat_ids
     out = []
     for r in requests:
         try:
@@ -379,9 +358,10 @@ def compare(measured: list[dict[str, Run]], name: str) -> dict:
 def run(args) -> int:
     import torch
 
-    from lookup_decode.cost import SIZES, CostCurve, measure_forward_cost
-    from lookup_decode.models import ModelNotFoundError, load_model
-    from lookup_decode.replay import SEARCH_K, search_settings
+    from lookup_decode.core.cost import SIZES, CostCurve
+    from lookup_decode.engines.hf.forward import measure_forward_cost
+    from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
+    from lookup_decode.engines.replay import SEARCH_K, search_settings
 
     if args.max_new_tokens < 1:
         raise SystemExit(f"{PROG}: --max-new-tokens must be >= 1, got {args.max_new_tokens}")

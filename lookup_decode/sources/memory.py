@@ -6,9 +6,12 @@
     out = lookup_decode.generate(model, ids, memory=memory, references=refs, max_new_tokens=256)
 
 Both are `Corpus`es (one suffix index each, shared by every request and thread). `generate` drafts
-from the request itself, the memory and the references (rule: `sources.py`) and, when it returns,
+from the request itself, the memory and the references (rule: `sources.proposer`) and, when it returns,
 stores the new output in the memory. Drafts are only guesses that the model verifies, so whatever
 a source holds, the output is the one plain decoding gives.
+
+Every way of reading them from files is here (`load_memory`, `load_references`): the CLI's chat, the batch
+job and the vLLM drafter ask these, and each fails with an error naming the file.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.corpus import Corpus, Entry
+from lookup_decode.sources.corpus import Corpus, Entry
 
 # After an eviction the memory holds at most this share of its bound, so the O(bound) rebuild of
 # the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
@@ -127,6 +130,10 @@ class Memory(Corpus):
         with self._lock:
             self._remove(list(self._entries))
 
+    def merge(self, other: "Memory") -> int:
+        """Add the entries of `other` that this memory lacks (e.g. what another replica saved); returns how many."""
+        return sum(self.add(e.tokens) for e in other.entries())
+
 
 class References(Corpus):
     """Reference documents (source files, retrieved passages) registered once and used by every request.
@@ -208,3 +215,61 @@ class References(Corpus):
         if self.max_tokens is not None and self._n_tokens > self.max_tokens:
             raise ValueError(f"the loaded references hold {self._n_tokens} tokens, more than max_tokens="
                              f"{self.max_tokens}")
+
+
+def load_memory(paths, *, max_tokens: int = 1_000_000, vocab_size: int | None = None, missing_ok=()) -> Memory:
+    """A Memory of at most max_tokens holding the entries of the `Memory.save` files `paths`, merged in order
+    (the first file found is loaded as it was saved, its entries' use counts included; the others' entries
+    are added to it).
+
+    A path in `missing_ok` may not exist yet (the file this process will write); any other missing or
+    unreadable file raises (FileNotFoundError, CorpusFileError), as does one holding ids a vocabulary of
+    vocab_size does not know (ValueError). No file: an empty memory.
+    """
+    memory = None
+    for path in paths:
+        if not Path(path).is_file():
+            if str(path) in {str(p) for p in missing_ok}:
+                continue
+            raise FileNotFoundError(f"no memory file at {path}")
+        loaded = Memory.load(path, max_tokens=max_tokens, vocab_size=None)
+        if vocab_size is not None:
+            loaded.check_vocab(vocab_size, f"the model (memory file {path})")
+        if memory is None:
+            memory = loaded
+            memory.vocab_size = vocab_size      # later insertions are checked against the model's vocabulary
+        else:
+            memory.merge(loaded)
+    return memory if memory is not None else Memory(max_tokens, vocab_size=vocab_size)
+
+
+def load_references(path, *, tokenizer=None, vocab_size: int | None = None) -> References:
+    """References from a `References.save` file (.npz), or from a folder of such files and of UTF-8 text files
+    (tokenized with `tokenizer`), each document named by its path inside the folder.
+
+    Raises FileNotFoundError (no such path), CorpusFileError (a bad .npz), ValueError (text that is not UTF-8,
+    or text without a tokenizer to read it, or ids a vocabulary of vocab_size does not know)."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"references: {root} does not exist")
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    refs = References(vocab_size=vocab_size)
+    for file in files:
+        name = str(file.relative_to(root)) if root.is_dir() else file.name
+        if file.suffix == ".npz":
+            loaded = References.load(file, vocab_size=None)
+            if vocab_size is not None:
+                loaded.check_vocab(vocab_size, f"the model (references file {file})")
+            for entry in loaded.entries():
+                refs.register(f"{name}:{entry.key}", tokens=entry.tokens)
+            continue
+        if tokenizer is None:
+            raise ValueError(f"references: {file} is text and there is no tokenizer to read it; save the "
+                             "references with References.save instead")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"references: cannot read {file} as UTF-8 text ({e})") from None
+        if text:                                # an empty file is no document
+            refs.register(name, text, tokenizer=tokenizer)
+    return refs

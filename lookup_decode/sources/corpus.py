@@ -32,9 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.config import check_match
-from lookup_decode.draft import Draft
-from lookup_decode.index import SuffixIndex, as_token_array
+from lookup_decode.core.config import check_match
+from lookup_decode.core.draft import Draft
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.tokens import as_token_array
 
 SEPARATOR = 2**31 - 1          # between entries: the largest id the index accepts, never a model token
 FORMAT = "lookup_decode.corpus"

@@ -14,7 +14,9 @@ O_APPEND and fsync'ed; a torn last line (power loss mid-write) is cut off when t
 every id already in the output is skipped, so re-running the same command after any interruption
 finishes the job without writing a record twice. Records go through the batch path of
 `lookup_decode.generate` (left padding, ragged acceptance), greedy, so each text is the one plain
-`model.generate(do_sample=False)` gives for that record alone.
+`model.generate(do_sample=False)` gives for that record alone. The job asks the library for everything
+else: the record schema (`engines.records`), the prompt (`models.chat_ids`), the reference documents
+(`sources.memory.load_references`), the options (`LookupConfig`), each row's steps (`DecodeStats.row_steps`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from lookup_decode.stopping import eos_ids
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.tokens import eos_ids, trim_at_eos
+from lookup_decode.engines.records import RecordError, id_of, max_new_tokens_of, messages_of, read_rows
 
 
 @dataclass
@@ -38,11 +42,8 @@ class Job:
     max_new_tokens: int = 256         # default for records without their own
     batch_size: int = 4               # records per generate call
     threads: int | None = None        # torch threads per worker
-    k: int = 32
-    min_match: int = 1
-    max_match: int = 64
-    adaptive: bool = True
-    references: str | None = None     # folder of text files every record may copy from
+    lookup: LookupConfig = field(default_factory=LookupConfig)   # the options of every generate call
+    references: str | None = None     # folder of documents every record may copy from (`load_references`)
     plain: bool = False               # plain batched model.generate (the benchmark's baseline)
 
 
@@ -88,63 +89,21 @@ def _key(record: dict) -> str:
 
 def _validate(row, line: int) -> dict:
     """A work item {"id", "line", "messages", "max_new_tokens"} or an error record {"id"?, "line", "error"}."""
-    if not isinstance(row, dict):
-        return {"line": line, "error": f"expected a JSON object, got {type(row).__name__}"}
     out = {"line": line}
-    if row.get("id") is None:
-        return {**out, "error": "missing field 'id'"}
-    if not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool):
-        return {**out, "error": f"'id' must be a string or an integer, got {type(row['id']).__name__}"}
-    out["id"] = row["id"]
-    messages, prompt = row.get("messages"), row.get("prompt")
-    if messages is not None:
-        if hasattr(messages, "tolist"):               # Parquet list columns arrive as numpy arrays
-            messages = messages.tolist()
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            return {**out, "error": "'messages' must be a non-empty list of {\"role\": str, \"content\": str}"}
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    elif prompt is not None:
-        if not isinstance(prompt, str) or not prompt.strip():
-            return {**out, "error": "'prompt' must be a non-empty string"}
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        return {**out, "error": "missing field: each record needs 'prompt' (a string) or 'messages' (a list)"}
-    n = row.get("max_new_tokens")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        try:                                          # Parquet ints arrive as numpy or float (with nulls)
-            ok = float(n) == int(n) and int(n) >= 1
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            return {**out, "error": f"'max_new_tokens' must be an integer >= 1, got {n!r}"}
-        n = int(n)
-    return {**out, "messages": messages, "max_new_tokens": n}
+    try:
+        if not isinstance(row, dict):
+            messages_of(row)                         # names what it got
+        out["id"] = id_of(row)
+        return {**out, "messages": messages_of(row), "max_new_tokens": max_new_tokens_of(row)}
+    except RecordError as e:
+        return {**out, "error": str(e)}
 
 
 def read_input(path: str | Path) -> list[dict]:
-    """Work items and error records for every record of a JSONL file (line = 1-based line number; blank lines
-    are skipped) or a Parquet file (line = 1-based row number). Duplicate ids: the later ones are errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    items = []
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            items.append(_validate({k: v for k, v in row.items() if v is not None}, i))
-    else:
-        with open(path, "rb") as f:
-            for i, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    items.append({"line": i, "error": f"not valid JSON: {e}"})
-                    continue
-                items.append(_validate(row, i))
+    """Work items and error records for every record of a JSONL or Parquet file (`records.read_rows`; line =
+    1-based line or row number). Duplicate ids: the later ones are errors."""
+    items = [{"line": i, "error": str(row)} if isinstance(row, RecordError) else _validate(row, i)
+             for i, row in read_rows(path)]
     first = {}
     for j, item in enumerate(items):
         if "id" in item:
@@ -206,52 +165,25 @@ class Output:
 
 # ------------------------------------------------------------------------------------------ workers
 
-class _Counted:
-    """A row's drafter that counts its steps (decode proposes once per active row and step)."""
-
-    def __init__(self, inner):
-        self.inner, self.steps = inner, 0
-
-    def extend(self, tokens):
-        return self.inner.extend(tokens)
-
-    def propose(self, max_tokens):
-        self.steps += 1
-        return self.inner.propose(max_tokens)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 class Engine:
     """One model in one process; `run(items)` turns work items into output records (never raises for a record)."""
 
     def __init__(self, job: Job):
-        import lookup_decode
-        from lookup_decode.models import load_quietly
+        from lookup_decode.engines.hf.models import load_quietly
+        from lookup_decode.sources.memory import load_references
         self.job = job
         self.model, self.tokenizer = load_quietly(job.model, job.threads)   # no GGUF progress bars
-        self.tokenizer.padding_side = "left"
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
+        self.eos = eos_ids(self.model.generation_config)
         self.context = getattr(self.model.config, "max_position_embeddings", None)
-        self.references = None
-        if job.references:
-            files = sorted(p for p in Path(job.references).rglob("*") if p.is_file())
-            self.references = lookup_decode.References()
-            for p in files:
-                self.references.register(str(p.relative_to(job.references)), p.read_text(encoding="utf-8",
-                                         errors="replace"), tokenizer=self.tokenizer)
+        self.references = (load_references(job.references, tokenizer=self.tokenizer) if job.references else None)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.batches = 0                  # generate calls so far
 
     def _ids(self, messages) -> list[int]:
-        if self.tokenizer.chat_template is not None:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True)["input_ids"])
-        if len(messages) == 1 and messages[0]["role"] == "user":
-            return self.tokenizer(messages[0]["content"])["input_ids"]
-        raise ValueError("the tokenizer has no chat template: give records a 'prompt', not 'messages'")
+        from lookup_decode.engines.hf.models import chat_ids
+        return chat_ids(self.tokenizer, messages)[0].tolist()
 
     def run(self, items: list[dict]) -> list[dict]:
         ready, out = [], []
@@ -284,20 +216,9 @@ class Engine:
             item = group[0][0]
             return [{"id": item["id"], "line": item["line"], "error": f"{type(e).__name__}: {e}"}]
 
-    def _drafters(self, rows: int) -> list:
-        """The drafters generate() would build itself (hf._drafters), each wrapped to count its row's steps."""
-        from lookup_decode.index import SuffixIndex
-        from lookup_decode.sources import check_sources, with_sources
-        eos, j = eos_ids(self.model.generation_config), self.job
-        drafters = [SuffixIndex(min_match=j.min_match, max_match=j.max_match, eos_token_ids=eos) for _ in range(rows)]
-        if self.references is not None:
-            drafters = [with_sources(d, check_sources(None, self.references), self.model.config.vocab_size,
-                                     min_match=j.min_match, max_match=j.max_match, eos_token_ids=eos)
-                        for d in drafters]
-        return [_Counted(d) for d in drafters]
-
     def _generate(self, group, max_new_tokens: int) -> list[dict]:
         import torch
+
         import lookup_decode
         P = max(len(ids) for _, ids, _ in group)
         input_ids = torch.full((len(group), P), self.pad, dtype=torch.long)
@@ -306,23 +227,19 @@ class Engine:
             input_ids[b, P - len(ids):] = torch.tensor(ids)
             mask[b, P - len(ids):] = 1
         kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad)
-        drafters, start = None, time.perf_counter()
+        stats, start = None, time.perf_counter()
         with torch.inference_mode():
             if self.job.plain:
                 out = self.model.generate(input_ids, **kwargs)
             else:
-                drafters = self._drafters(len(group))
-                out = lookup_decode.generate(self.model, input_ids, proposer=drafters, k=self.job.k,
-                                             min_match=self.job.min_match, max_match=self.job.max_match,
-                                             adaptive=self.job.adaptive, **kwargs)
+                stats = lookup_decode.DecodeStats()
+                hook = lookup_decode.lookup_decoding(self.job.lookup, stats=stats, references=self.references)
+                out = self.model.generate(input_ids, custom_generate=hook, **kwargs)
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
-        eos = set(eos_ids(self.model.generation_config))
         records = []
         for b, (item, ids, _) in enumerate(group):
-            new = out[b, P:].tolist()
-            end = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-            new = new[:end]
-            steps = drafters[b].steps if drafters is not None else None
+            new = trim_at_eos(out[b, P:], self.eos).tolist()
+            steps = stats.row_steps[b] if stats is not None else None
             records.append({
                 "id": item["id"], "line": item["line"],
                 "text": self.tokenizer.decode(new, skip_special_tokens=True),
@@ -359,6 +276,9 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
                     summary.add(item)
             else:
                 pending.append(item)
+        # Records of one max_new_tokens share a generate call: in that order (input order within each), every
+        # batch but the last of each length is full, locally and on Ray alike.
+        pending.sort(key=lambda item: item["max_new_tokens"] or job.max_new_tokens)
         bar = _progress(len(pending), progress)
 
         def emit(record: dict) -> None:
@@ -384,16 +304,8 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
 
 def _run_local(job: Job, pending: list[dict]):
     engine = Engine(job)
-    groups: dict[int | None, list] = {}        # batches of one max_new_tokens, in input order within each
-    for item in pending:
-        group = groups.setdefault(item["max_new_tokens"], [])
-        group.append(item)
-        if len(group) == job.batch_size:
-            yield from engine.run(group)
-            group.clear()
-    for group in groups.values():
-        if group:
-            yield from engine.run(group)
+    for i in range(0, len(pending), job.batch_size):
+        yield from engine.run(pending[i: i + job.batch_size])
 
 
 class RayWorker:

@@ -1,9 +1,11 @@
 """DecodeStats: what one generation did, with fixed conventions (vLLM's metrics vocabulary).
 
 Every field is a sum, so one DecodeStats passed to several calls (or `merge`d) describes them all.
-A *step* is one verification forward. *Drafted* tokens were sent to the model, *accepted* ones
-were kept; every step also emits one target token (the *recovered* token after a rejection, or
-the *bonus* token after a fully accepted draft), so mean accepted length counts it too.
+A *forward* is one verification forward of the model; a *step* is one row's verification in it (one
+sequence: a step per forward; a batch of B rows: up to B steps per forward), what vLLM counts as one
+draft. *Drafted* tokens were sent to the model, *accepted* ones were kept; every step also emits one
+target token (the *recovered* token after a rejection, or the *bonus* token after a fully accepted
+draft), so mean accepted length counts it too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from dataclasses import asdict, dataclass, field
 class DecodeStats:
     prompt_tokens: int = 0
     new_tokens: int = 0                 # tokens returned after the prompt
-    steps: int = 0                      # verification forwards (prefill not counted)
+    forwards: int = 0                   # verification forwards (prefill not counted)
+    steps: int = 0                      # row-steps: each row's verification in each forward
+    row_steps: list[int] = field(default_factory=list)  # [rows] steps of each row of each call, in order
     drafted: int = 0                    # draft tokens sent to the model
     accepted: int = 0                   # draft tokens kept
     accepted_at: list[int] = field(default_factory=list)  # [k] steps that kept draft position i
@@ -24,8 +28,9 @@ class DecodeStats:
     tree_steps: int = 0                 # steps that verified a tree (several branches in one forward)
     off_chain: int = 0                  # tree steps that kept tokens of a branch other than the first
     prefill_s: float = 0.0              # prompt forward (+ one-time cost calibration)
-    model_s: float = 0.0                # verification forwards and acceptance
-    proposer_s: float = 0.0             # index extend + propose + draft-length choice
+    model_s: float = 0.0                # verification forwards, acceptance and cache rollback
+    proposer_s: float = 0.0             # drafters (extend + propose), draft-length choice and learning
+    commit_s: float = 0.0               # writing emitted tokens, stopping criteria, streamer
     total_s: float = 0.0                # wall time of the whole call
     keep_steps: int = 100_000           # per-step lists keep the latest this many steps (one DecodeStats may
                                         # serve a server for days; every count above stays exact)
@@ -34,7 +39,8 @@ class DecodeStats:
         self.observe_rows([drafted], [accepted], trees=int(tree), off_chain=int(off_chain))
 
     def observe_rows(self, drafted: list[int], accepted: list[int], *, trees: int = 0, off_chain: int = 0) -> None:
-        """One step of every row of a batch (each row counts as a step; trees/off_chain: how many rows)."""
+        """One forward: a step of each row verified in it (trees/off_chain: how many of the rows)."""
+        self.forwards += 1
         self.steps += len(drafted)
         self.tree_steps += int(trees)
         self.off_chain += int(off_chain)
@@ -54,6 +60,8 @@ class DecodeStats:
         if len(self.draft_lengths) > self.keep_steps:   # drop the oldest half of the allowance at once: O(1) amortized
             drop = len(self.draft_lengths) - self.keep_steps // 2
             del self.draft_lengths[:drop], self.accepted_lengths[:drop]
+        if len(self.row_steps) > self.keep_steps:
+            del self.row_steps[: len(self.row_steps) - self.keep_steps // 2]
 
     @property
     def mean_accepted_length(self) -> float:
@@ -71,11 +79,12 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         """Add another call's counts (e.g. across the prompts of a benchmark)."""
-        for name in ("prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "tree_steps", "off_chain",
-                     "prefill_s", "model_s", "proposer_s", "total_s"):
+        for name in ("prompt_tokens", "new_tokens", "forwards", "steps", "drafted", "accepted", "tree_steps",
+                     "off_chain", "prefill_s", "model_s", "proposer_s", "commit_s", "total_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_lengths.extend(other.draft_lengths)
         self.accepted_lengths.extend(other.accepted_lengths)
+        self.row_steps.extend(other.row_steps)
         self._bound()
         n = max(len(self.accepted_at), len(other.accepted_at))
         self.accepted_at = [(self.accepted_at[i] if i < len(self.accepted_at) else 0)
@@ -83,13 +92,13 @@ class DecodeStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["draft_lengths"], d["accepted_lengths"], d["keep_steps"]
+        del d["draft_lengths"], d["accepted_lengths"], d["keep_steps"], d["row_steps"]
         d.update(mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
                  tokens_per_second=self.tokens_per_second)
         return d
 
     def summary(self) -> str:
         return (f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.tokens_per_second:.1f} tok/s); "
-                f"{self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}, "
+                f"{self.forwards} forwards, {self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}, "
                 f"drafted {self.drafted}, accepted {self.accepted} ({100 * self.acceptance_rate:.0f}%); "
                 f"time in model {self.model_s:.2f}s, proposer {self.proposer_s * 1e3:.1f}ms")

@@ -15,32 +15,39 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lookup_decode.decode import Rows, step
-from lookup_decode.draft import kept_prefix
-from lookup_decode.index import SuffixIndex
-from lookup_decode.policy import DraftPolicy
-from lookup_decode.stats import DecodeStats
+from lookup_decode.core.decode import Rows, step
+from lookup_decode.core.draft import kept_prefix
+from lookup_decode.core.forward import Verified
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import DraftPolicy
+from lookup_decode.core.stats import DecodeStats
 
 SEARCH_K = (8, 16, 32, 64)
 SEARCH_MIN_MATCH = (1, 2, 3)
 
 
 class RecordedForward:
-    """The forward of a replay: 'verifies' each draft against the recorded continuation of its row."""
+    """The forward of a replay (`core.forward.Forward`): 'verifies' each draft against the recorded
+    continuation of its row. There is no model: nothing to roll back, and no cost to measure."""
 
     shapes = "chain"
     learns_cost = False             # its time is not a model's: the policy's cost curve stays as given
     vocab = None                    # drafts are checked against the record, not a vocabulary
+    model = None
 
     def __init__(self, outputs: list[np.ndarray]):
         self.outputs = outputs          # int [n_b] per row: the true continuation after the row's prompt
 
-    def verify(self, rows: Rows, drafts):
+    def prefill(self, rows: Rows) -> list[Verified]:
+        """Each row's first recorded token (what a prefill emits)."""
+        return [Verified(torch.from_numpy(self.outputs[b][:1].astype(np.int64))) for b in rows.active]
+
+    def verify(self, rows: Rows, drafts) -> list[Verified]:
         out = []
         for b, draft in zip(rows.active, drafts):
             truth = self.outputs[b][rows.cur[b] - rows.prompt_len:]
             kept = kept_prefix(draft.tokens, truth)
-            out.append((torch.from_numpy(truth[: kept + 1].astype(np.int64)), None, None))
+            out.append(Verified(torch.from_numpy(truth[: kept + 1].astype(np.int64))))
         return out
 
     def rollback(self, kept) -> None:
@@ -48,6 +55,9 @@ class RecordedForward:
 
     def keep_rows(self, keep) -> None:
         pass
+
+    def calibrate(self, rows, costs, k: int):
+        return None
 
 
 def replay(drafter, output, cap: int, policy: DraftPolicy | None = None) -> DecodeStats:

@@ -3,8 +3,8 @@
 Follows speculative decoding (Leviathan et al. 2023; Chen et al. 2023) with drafts from string
 matching instead of a draft model (prompt lookup decoding, Saxena 2023). `step` is the whole
 algorithm and runs unchanged for one sequence, a batch of left-padded rows, trees and the offline
-replay; only the forward passed in differs (`forward.py`, `replay.py`). transformers-specific
-preparation lives in `hf.py`.
+replay; only the forward passed in differs (the `core.forward.Forward` protocol; implementations in
+`engines.hf.forward` and `engines.replay`). Engines prepare the pieces: transformers' in `engines.hf.hook`.
 
     prefill ─▶ ┌─ 1 propose (each row's drafter) ─ 2 choose one width (policy, cost) ─┐
                │                                                                      ▼
@@ -14,16 +14,16 @@ preparation lives in `hf.py`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from lookup_decode.cost import COSTS
-from lookup_decode.draft import checked_rows
-from lookup_decode.stats import DecodeStats
-from lookup_decode.stopping import first_stops
-
+from lookup_decode.core.cost import COSTS
+from lookup_decode.core.draft import checked_rows
+from lookup_decode.core.forward import Forward, Verified
+from lookup_decode.core.stats import DecodeStats
 
 _FIRST_COLUMNS = 256      # columns past the prompt allocated at the start; more as rows grow
 
@@ -102,32 +102,38 @@ class Recorded:
     logits: list = field(default_factory=list)   # raw logits, float [1, V] each
 
 
-def commit(rows: Rows, verified, drafters, stopping_criteria, streamer=None, record: Recorded | None = None) -> list[int]:
-    """Write each active row's emitted tokens, stopping exactly where plain decoding would (stopping
-    criteria after every token); feed them to the row's drafter. Returns the indices (into
-    rows.active) of the rows that go on."""
-    emitted = [v[0] for v in verified]
+# stops(ids, rows, starts, emitted) -> per row the column of the first token after which decoding stops, or None:
+# row rows[i] emitted the tokens emitted[i] at columns starts[i].. of ids (long [B, >= end]); the engine's stop
+# rule (transformers: its stopping criteria after every token, `engines.hf.stopping.first_stops`).
+Stops = Callable[[torch.Tensor, list[int], list[int], list[torch.Tensor]], list]
+
+
+def commit(rows: Rows, verified: list[Verified], stops: Stops | None, streamer=None,
+           record: Recorded | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Write each active row's emitted tokens, stopping exactly where plain decoding would (`stops` after
+    every token). Returns (the indices into rows.active of the rows that go on, each active row's committed
+    tokens: its emitted tokens up to and including a stop)."""
+    emitted = [v.emitted for v in verified]
     starts = [rows.cur[b] for b in rows.active]
     rows.write(emitted, starts)
-    stops = first_stops(stopping_criteria, rows.ids, rows.active, starts, emitted)
-    alive = []
-    for i, (b, c, tokens, stop_at) in enumerate(zip(rows.active, starts, emitted, stops)):
+    found = stops(rows.ids, rows.active, starts, emitted) if stops is not None else [None] * len(emitted)
+    alive, committed = [], []
+    for i, (b, c, tokens, stop_at) in enumerate(zip(rows.active, starts, emitted, found)):
         n = tokens.numel() if stop_at is None else stop_at - c + 1
         if record is not None:
-            _, scores, logits = verified[i]
             # Copies: a view would keep the whole [k + 1, V] verify block alive per token.
-            record.scores.extend(scores[j: j + 1].clone() for j in range(n))
-            record.logits.extend(logits[j: j + 1].clone() for j in range(n))
+            record.scores.extend(verified[i].scores[j: j + 1].clone() for j in range(n))
+            record.logits.extend(verified[i].logits[j: j + 1].clone() for j in range(n))
         if streamer is not None:
             streamer.put(tokens[:n].cpu())
-        drafters[b].extend(tokens[:n])          # the same tokens, already on the host (verify.accept_*)
+        committed.append(tokens[:n])
         rows.cur[b] = c + n
         if stop_at is None and rows.room(b) >= 0:
             alive.append(i)
-    return alive
+    return alive, committed
 
 
-def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: DecodeStats, streamer=None,
+def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, stats: DecodeStats, streamer=None,
          record: Recorded | None = None) -> None:
     """One decoding step for every active row (see the module's picture)."""
     t = time.perf_counter()
@@ -145,24 +151,30 @@ def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: Decode
     rows.reserve(max(rows.cur[b] + len(d) + 1 for b, d in zip(rows.active, drafts)))
     verified = forward.verify(rows, drafts)
     verify_s = time.perf_counter() - t
-    kept = [v[0].numel() - 1 for v in verified]
+    kept = [v.kept for v in verified]
     # 4. Roll back: the cache keeps each row's last token and accepted drafts only.
     forward.rollback(kept)
     stats.model_s += time.perf_counter() - t
 
     # 5. Commit and stop; finished rows leave the batch.
     t = time.perf_counter()
-    width, n_rows = 1 + max(len(d) for d in drafts), len(rows.active)
-    alive = commit(rows, verified, drafters, stopping_criteria, streamer, record)
-    # 6. Learn: acceptance from the whole proposals (even unverified ones), cost from this forward.
-    emitted = [v[0].cpu().numpy() for v in verified]
+    width, active = 1 + max(len(d) for d in drafts), list(rows.active)
+    alive, committed = commit(rows, verified, stops, streamer, record)
+    stats.commit_s += time.perf_counter() - t
+
+    # 6. Learn: each drafter gets the committed tokens; acceptance from the whole proposals (even unverified
+    # ones), cost from this forward.
+    t = time.perf_counter()
+    for b, tokens in zip(active, committed):
+        drafters[b].extend(tokens)              # already on the host (verify.accept_*)
+    emitted = [v.emitted.cpu().numpy() for v in verified]
     stats.observe_rows([len(d) for d in drafts], kept, trees=sum(d.parents is not None for d in drafts),
                        off_chain=sum(d.parents is not None and k > 0 and e[0] != d.tokens[0]
                                      for d, k, e in zip(drafts, kept, emitted)))
     policy.observe_rows(fulls, emitted)
     if policy.cost is not None and forward.learns_cost:
-        policy.cost.observe(n_rows, width, verify_s)
-    if len(alive) < n_rows:
+        policy.cost.observe(len(active), width, verify_s)
+    if len(alive) < len(active):
         rows.active = [rows.active[i] for i in alive]
         if alive:
             forward.keep_rows(alive)
@@ -170,15 +182,15 @@ def step(rows: Rows, forward, drafters, policy, stopping_criteria, stats: Decode
 
 
 @torch.inference_mode()
-def decode(rows: Rows, forward, drafters, policy, *, prompt_mask: torch.Tensor | None = None, stopping_criteria=None,
-           stats: DecodeStats | None = None, streamer=None, record: Recorded | None = None, adaptive: bool = True,
-           costs=COSTS) -> torch.Tensor:
+def decode(rows: Rows, forward: Forward, drafters, policy, *, prompt_mask: torch.Tensor | None = None,
+           stops: Stops | None = None, stats: DecodeStats | None = None, streamer=None, record: Recorded | None = None,
+           adaptive: bool = True, costs=COSTS) -> torch.Tensor:
     """Decode every row of `rows` to its end; the same tokens as plain decoding (greedy) or the same
     distribution (sampling).
 
-    forward: `forward.SequenceForward` or `BatchForward` over an empty cache; drafters: one `Drafter`
-    per row; policy: a `DraftPolicy` (its cost is measured here when adaptive and not given);
-    prompt_mask: bool [B, P], the prompt tokens each drafter is fed (default: all).
+    forward: a `Forward` over an empty cache; drafters: one `Drafter` per row; policy: a `DraftPolicy`
+    (its cost is measured here when adaptive and not given); prompt_mask: bool [B, P], the prompt tokens
+    each drafter is fed (default: all); stops: the engine's stop rule (None: rows stop at max_length only).
     Returns long [B, P + new tokens of the longest row] (see Rows.result).
     """
     stats = stats if stats is not None else DecodeStats()
@@ -193,18 +205,27 @@ def decode(rows: Rows, forward, drafters, policy, *, prompt_mask: torch.Tensor |
     for b in rows.active:
         drafters[b].extend(rows.ids[b, :P][mask[b].to(rows.ids.device)])
     stats.prefill_s += time.perf_counter() - t_start
-    alive = commit(rows, verified, drafters, stopping_criteria, streamer, record)
+    t = time.perf_counter()
+    active = list(rows.active)
+    alive, committed = commit(rows, verified, stops, streamer, record)
+    stats.commit_s += time.perf_counter() - t
+    for b, tokens in zip(active, committed):
+        drafters[b].extend(tokens)
     rows.active = [rows.active[i] for i in alive]
     if alive and len(alive) < len(verified):
         forward.keep_rows(alive)
 
+    row_steps = [0] * rows.ids.shape[0]
     while rows.active:
-        step(rows, forward, drafters, policy, stopping_criteria, stats, streamer, record)
+        for b in rows.active:
+            row_steps[b] += 1
+        step(rows, forward, drafters, policy, stops, stats, streamer, record)
     if adaptive and forward.learns_cost:       # the refined curve outlives the process (cost.DiskCache)
         costs.save(forward.model, policy.cost)
 
     # Every field adds up, so one DecodeStats can collect several calls.
     stats.prompt_tokens += int(mask.sum())
     stats.new_tokens += sum(c - P for c in rows.cur)
+    stats.row_steps.extend(row_steps)
     stats.total_s += time.perf_counter() - t_start
     return rows.result()

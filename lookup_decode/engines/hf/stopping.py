@@ -19,16 +19,6 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 
-def eos_ids(eos) -> list[int]:
-    """EOS ids as a list of ints, from a generation config or a plain value (None, an int, a list, a tensor)."""
-    eos = getattr(eos, "eos_token_id", eos)
-    if eos is None:
-        return []
-    if isinstance(eos, torch.Tensor):
-        return [int(e) for e in eos.reshape(-1).tolist()]
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
 def first_stop(stopping_criteria, ids: torch.Tensor, start: int, end: int, scores=None) -> int | None:
     """Index j in [start, end) of the first token after which a criterion says stop, else None.
 

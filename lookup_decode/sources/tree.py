@@ -18,8 +18,8 @@ from collections import Counter
 
 import numpy as np
 
-from lookup_decode.draft import Draft
-from lookup_decode.index import SuffixIndex
+from lookup_decode.core.draft import Draft
+from lookup_decode.core.index import SuffixIndex
 
 
 def build_tree(branches, match_len: int = 0) -> Draft:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from lookup_decode.config import check_k
-from lookup_decode.draft import Draft, kept_prefix
+from lookup_decode.core.config import check_k
+from lookup_decode.core.draft import Draft, kept_prefix
 
 _N_BUCKETS = 8          # match length buckets: 1, 2-3, 4-7, ..., >= 128 (powers of two)
 _FORGET = 0.97          # per observation; recent behaviour matters more (output style drifts)
@@ -55,7 +55,7 @@ class DraftPolicy:
 
     Args:
         k: the most draft tokens ever verified in one step.
-        cost: measured forward cost (`CostCurve` or `BatchCost`); None disables adaptation (always
+        cost: measured forward cost (a `CostCurve`); None disables adaptation (always
             verify min(k, draft) tokens).
         first_prior_factor: scales the prior of the first draft token (replay studies vary it).
     """
@@ -106,7 +106,7 @@ class DraftPolicy:
         if self.cost is None:
             return None
         base = self.cost(n + 1)
-        return max([m for m in range(n, self.cost.max_n) if self.cost(m + 1) <= base])
+        return max([m for m in range(n, self.cost.max_w) if self.cost(m + 1) <= base])
 
     def fit(self, full: Draft, n: int, limit: int, shapes: str) -> Draft:
         """The draft to verify when the policy chose n tokens of `full`.

@@ -1,9 +1,10 @@
 """The model side of a decoding step: one verify forward over [last token, draft] per row, and its rollback.
 
-The decode loop (`decode.py`) is the same for one sequence, a batch and the offline replay; only the
-forward differs, and it lives here. Each forward offers `prefill(rows)`, `verify(rows, drafts)`,
-`rollback(kept)`, `keep_rows(keep)` and `calibrate(rows, costs, k)`; `shapes` says which drafts it verifies
-("tree", "chain", or "buckets" for compiled forwards), `learns_cost` that its time is a real forward's.
+The decode loop (`core.decode`) is the same for one sequence, a batch and the offline replay; only the
+forward differs. These are the transformers forwards; each implements `core.forward.Forward` in full:
+`prefill(rows)`, `verify(rows, drafts) -> [Verified]`, `rollback(kept)`, `keep_rows(keep)` and
+`calibrate(rows, costs, k)`; `shapes` says which drafts it verifies ("tree", "chain", or "buckets" for
+compiled forwards), `learns_cost` that its time is a real forward's.
 
 * `SequenceForward`: one row, any cache `cache.py` can roll back (sliding windows, static caches with
   bucketed sizes, encoder-decoder decoders); trees verified in one forward with a tree attention mask
@@ -24,11 +25,20 @@ import os
 import numpy as np
 import torch
 
-from lookup_decode.cache import cache_argument, compact, crop, full_attention, keep_tree_path, start_rollback
-from lookup_decode.cost import timed
-from lookup_decode.draft import EMPTY
-from lookup_decode.policy import BUCKETS
-from lookup_decode.verify import Processors, Rules, accept_greedy_rows, verify_row, verify_tree
+from lookup_decode.core.cost import timed
+from lookup_decode.core.draft import EMPTY
+from lookup_decode.core.forward import Verified
+from lookup_decode.core.policy import BUCKETS
+from lookup_decode.core.verify import Processors, Rules, accept_greedy_rows, verify_row, verify_tree
+from lookup_decode.engines.hf.cache import (
+    cache_argument,
+    compact,
+    crop,
+    full_attention,
+    keep_tree_path,
+    new_cache,
+    start_rollback,
+)
 
 
 class _Model:
@@ -51,14 +61,14 @@ class _Model:
             kwargs["logits_to_keep"] = n_logits
         return self.model(**kwargs).logits[:, -n_logits:].to(torch.float32)
 
-    def accept(self, rows, b: int, draft, logits, scored: torch.Tensor | None = None):
-        """Verification of row b: (emitted long [m + 1], score rows, raw logits rows).
+    def accept(self, rows, b: int, draft, logits, scored: torch.Tensor | None = None) -> Verified:
+        """Verification of row b: emitted long [m + 1], its score rows and raw logits rows.
         scored: the logits after the prefix-free processors, when the caller ran them for all rows at once."""
         cur = rows.cur[b]
         u = None if rows.uniforms is None else rows.uniforms[b, cur - rows.prompt_len:]
         emitted, scores = verify_row(draft, logits if scored is None else scored, self.processors, rows.ids, b, cur, u,
                                      self.generator, self.rules, scored=scored is not None)
-        return emitted, scores, logits
+        return Verified(emitted, scores, logits)
 
     def keep_rows(self, keep: list[int]) -> None:
         pass
@@ -109,8 +119,8 @@ class SequenceForward(_Model):
         # tree's first branch, a chain, so a tree drafter still gives plain's output.
         tree = input_name == "input_ids" and full_attention(cache, model)
         self.shapes = "buckets" if self.bucketed else "tree" if tree else "chain"
-        self._undo = 0                  # tokens to crop at rollback, or the accepted path of a tree
-        self._tree = None
+        self._drafted = 0               # draft tokens the last verify sent (a chain)
+        self._tree = None               # (past, accepted path, nodes) of the last verify, when it was a tree
 
     def __call__(self, ids: torch.Tensor, n_logits: int, **extra) -> torch.Tensor:
         return self.logits(n_logits, **{self.input_name: ids}, **self.extra, **extra)[0]
@@ -142,9 +152,8 @@ class SequenceForward(_Model):
         n = len(draft)
         if draft.parents is None:
             ids[0, cur: cur + n] = torch.from_numpy(draft.tokens).to(ids.device)
-            verified = self.accept(rows, 0, draft, self(ids[:, cur - 1: cur + n], n + 1))
-            self._undo, self._tree = n - (verified[0].numel() - 1), None
-            return [verified]
+            self._drafted, self._tree = n, None
+            return [self.accept(rows, 0, draft, self(ids[:, cur - 1: cur + n], n + 1))]
         # A tree: one forward over [last token, nodes], each node at position last + depth.
         nodes = torch.from_numpy(draft.tokens).to(device=ids.device, dtype=torch.long)
         depth = torch.cat([torch.zeros(1, dtype=torch.long), torch.from_numpy(draft.depth)]).to(ids.device)
@@ -154,14 +163,14 @@ class SequenceForward(_Model):
         u = None if rows.uniforms is None else rows.uniforms[0, cur - rows.prompt_len:]
         emitted, path, scores, raw = verify_tree(draft, logits, self.processors, ids, cur, u, self.rules)
         self._tree = (cur - 1, path, n)
-        return [(emitted, scores, raw)]
+        return [Verified(emitted, scores, raw)]
 
     def rollback(self, kept: list[int]) -> None:
         """The cache keeps the last token and the accepted drafts only."""
         if self._tree is not None:
-            keep_tree_path(self.cache, *self._tree)
+            keep_tree_path(self.cache, *self._tree)     # the path holds kept[0] nodes
         else:
-            crop(self.cache, self._undo)
+            crop(self.cache, self._drafted - kept[0])
 
 
 class BatchForward(_Model):
@@ -187,7 +196,7 @@ class BatchForward(_Model):
         return [self.accept(rows, b, EMPTY, logits[i]) for i, b in enumerate(rows.active)]
 
     def calibrate(self, rows, costs, k: int):
-        """Relative cost of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
+        """The cost curve of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
         rows_, last = rows, rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
         rows = last.shape[0]
 
@@ -197,7 +206,7 @@ class BatchForward(_Model):
             elapsed = timed(last.device, lambda: self(last.expand(rows, w), torch.cat([self.mask, cols], 1), pos, w))
             crop(self.cache, w)
             return elapsed
-        return costs.batch(self.model, rows, k + 1, seconds_of, fit=widest_forward(self.model, rows_))
+        return costs.curve(self.model, k + 1, seconds_of, rows=rows, fit=widest_forward(self.model, rows_))
 
     def verify(self, rows, drafts):
         device = rows.ids.device
@@ -221,7 +230,7 @@ class BatchForward(_Model):
         self._width = w
         if not self.do_sample and not self.processors:
             emitted = accept_greedy_rows(host[:, 1:], lengths, logits)
-            return [(e, row, row) for e, row in zip(emitted, (logits[i, : n + 1] for i, n in enumerate(lengths)))]
+            return [Verified(e, row, row) for e, row in zip(emitted, (logits[i, : n + 1] for i, n in enumerate(lengths)))]
         scored = [None] * len(drafts)
         if self.processors.at_once and not self.processors.per_row:
             # Prefix-free processors (temperature, top-k/p, min-p): one call over every row's verified
@@ -307,3 +316,23 @@ def _free_memory(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def measure_forward_cost(model, context_ids, sizes, repeats: int = 3) -> list[float]:
+    """Median seconds of one forward over n new tokens after a prefilled context, for each n in sizes.
+
+    context_ids: long [1, T] (real text: the cost of attention depends on T). The n tokens are the
+    context's own last tokens; each measurement is cropped from the cache again.
+    """
+    cache, arg = new_cache(model), cache_argument(model)
+    out = []
+    with torch.inference_mode():
+        model(input_ids=context_ids, **{arg: cache}, use_cache=True)
+        for n in sizes:
+            ids = context_ids[:, -n:] if n <= context_ids.shape[1] else context_ids[:, -1:].expand(1, n)
+            times = []
+            for _ in range(repeats):
+                times.append(timed(context_ids.device, lambda: model(input_ids=ids, **{arg: cache}, use_cache=True)))
+                crop(cache, n)
+            out.append(float(np.median(times)))
+    return out

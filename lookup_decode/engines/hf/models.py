@@ -74,7 +74,13 @@ def load_tokenizer(path: str | Path | None = None):
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
-    """Prompt token ids (long [1, T]) through the model's chat template, ready for the assistant turn."""
+    """Prompt token ids (long [1, T]) through the model's chat template, ready for the assistant turn: the one
+    prompt builder of the commands and the batch job. A tokenizer without a chat template takes one user
+    message as plain text (ValueError for anything else)."""
+    if hasattr(tokenizer, "chat_template") and tokenizer.chat_template is None:
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            return torch.tensor([tokenizer(messages[0]["content"])["input_ids"]], dtype=torch.long)
+        raise ValueError("the tokenizer has no chat template: give one user message ('prompt'), not a conversation")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                          return_dict=True)["input_ids"]
 

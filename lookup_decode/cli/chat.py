@@ -15,7 +15,7 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
               streamer_factory=None, out=sys.stdout, err=sys.stderr, **lookup_options) -> list[dict]:
     """Answer each line of `lines` (an iterable of str) in one conversation; returns the messages."""
     import lookup_decode
-    from lookup_decode.models import chat_ids
+    from lookup_decode.engines.hf.models import chat_ids
     messages = [{"role": "system", "content": system}] if system else []
     start = len(messages)
     context = getattr(model.config, "max_position_embeddings", None)
@@ -55,14 +55,12 @@ def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, sys
 def cmd_chat(args) -> int:
     from transformers import TextStreamer
 
-    from lookup_decode.memory import Memory
-    from lookup_decode.models import load_quietly
+    from lookup_decode.engines.hf.models import load_quietly
+    from lookup_decode.sources.memory import load_memory
     path = Path(args.memory_file) if args.memory_file else None
     try:
-        if path is not None and path.exists():
-            memory = Memory.load(path, max_tokens=args.memory_tokens)
-        else:
-            memory = Memory(args.memory_tokens)
+        files = [path] if path is not None else []
+        memory = load_memory(files, max_tokens=args.memory_tokens, missing_ok=files)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"lookup-decode: {e}")
     model, tokenizer = load_quietly(args.model, args.threads)

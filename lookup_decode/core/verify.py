@@ -13,12 +13,13 @@ or the *bonus* token when every draft was kept (vocabulary of vLLM's rejection s
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lookup_decode.draft import kept_prefix
+from lookup_decode.core.draft import kept_prefix
 
 
 def accept_greedy(draft, scores: torch.Tensor) -> torch.Tensor:
@@ -161,6 +162,19 @@ class Rules:
 # transformers' processors that read only the scores, never the prefix: one call can serve every row.
 PREFIX_FREE = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
                          "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"})
+# Prefix-dependent processors that treat each row of a batch on its own, with the names of their batch-shaped
+# state (a tensor with one entry per row: repetition penalty's prompt_ignore_length, an encoder's input ids): a
+# view holding row b's entries, given row b alone, scores row b exactly as the batch call would. Any other
+# processor (one that reads a row's index, such as prefix_allowed_tokens_fn, or counts hypotheses per batch)
+# runs on the whole batch.
+ROW_LOCAL = {"RepetitionPenaltyLogitsProcessor": ("prompt_ignore_length",),
+             "EncoderRepetitionPenaltyLogitsProcessor": ("encoder_input_ids",),
+             **{name: () for name in ("NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor",
+                                      "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
+                                      "MinNewTokensLengthLogitsProcessor", "SuppressTokensLogitsProcessor",
+                                      "SuppressTokensAtBeginLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
+                                      "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor",
+                                      "ExponentialDecayLengthPenalty", "LogitNormalization")}}
 
 
 class Processors:
@@ -177,6 +191,8 @@ class Processors:
         while cut > 0 and type(procs[cut - 1]).__name__ in PREFIX_FREE:
             cut -= 1
         self.per_row, self.at_once = procs[:cut], procs[cut:]
+        self.row_local = all(type(p).__name__ in ROW_LOCAL for p in self.per_row)
+        self._views: dict[int, list] = {}          # row -> its views of the per-row processors
 
     def __bool__(self) -> bool:
         return bool(self.per_row or self.at_once)
@@ -184,6 +200,23 @@ class Processors:
     def head(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for p in self.per_row:
             scores = p(ids, scores)
+        return scores
+
+    def head_row(self, ids: torch.Tensor, b: int, length: int, scores: torch.Tensor) -> torch.Tensor:
+        """The prefix-dependent processors on row b's scores float [1, V], with exactly the prefix ids[b, :length].
+
+        Rows advance raggedly, so row b is scored alone: by views of the processors holding its own entries
+        (ROW_LOCAL), else in a [B, length] batch with row b in slot b and stand-ins (whatever the other rows hold
+        up to `length`) whose results are dropped. The first costs O(V) per row, the second O(B V).
+        """
+        B = ids.shape[0]
+        if not self.row_local:
+            return self.head(ids[:, :length], scores.expand(B, -1).clone())[b: b + 1]
+        if b not in self._views:
+            self._views[b] = [_row_view(p, b, B) for p in self.per_row]
+        scores, row = scores.clone(), ids[b: b + 1, :length]     # a copy: processors may write in place
+        for p in self._views[b]:
+            scores = p(row, scores)
         return scores
 
     def tail(self, scores: torch.Tensor) -> torch.Tensor:
@@ -197,17 +230,19 @@ class Processors:
         return self.tail(self.head(ids, scores)) if self.at_once else self.head(ids, scores)
 
 
-def processed(logits_processor, ids: torch.Tensor, b: int, length: int, logits: torch.Tensor) -> torch.Tensor:
-    """Scores of row b (float [1, V]) after the logits processors, with exactly the prefix ids[b, :length].
-
-    Processors may hold per-row state shaped like the batch (repetition penalty keeps each row's padding
-    length), so they see a [B, length] batch with row b in slot b. Rows advance raggedly, so the other
-    slots hold stand-ins (whatever those rows have up to `length`) whose results are dropped.
-    """
-    if not logits_processor:
-        return logits
-    batch_scores = logits.expand(ids.shape[0], -1).clone()
-    return logits_processor(ids[:, :length], batch_scores)[b: b + 1]
+def _row_view(processor, b: int, rows: int):
+    """A shallow copy of a ROW_LOCAL processor whose batch-shaped tensors hold row b's entry only; the
+    processor itself when it has none."""
+    per_row = {name: getattr(processor, name, None) for name in ROW_LOCAL[type(processor).__name__]}
+    per_row = {name: v for name, v in per_row.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if rows == 1 or not per_row:
+        return processor
+    view = copy.copy(processor)
+    for name, value in per_row.items():
+        if value.shape[0] != rows:
+            raise ValueError(f"{type(processor).__name__}.{name} has {value.shape[0]} rows for a batch of {rows}")
+        setattr(view, name, value[b: b + 1])
+    return view
 
 
 def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor, b: int, cur: int,
@@ -233,7 +268,7 @@ def verify_row(draft, logits: torch.Tensor, logits_processor, ids: torch.Tensor,
 
     if procs.per_row:       # prefix-dependent: each row with its own prefix, only as far as needed
         def row(i):
-            scores = processed(procs.head, ids, b, cur + i, logits[i: i + 1])
+            scores = procs.head_row(ids, b, cur + i, logits[i: i + 1])
             return procs.tail(scores) if procs.at_once else scores
     else:                   # prefix-free (or none): every row in one call
         all_rows = logits if scored or not procs.at_once else procs.tail(logits)

@@ -11,31 +11,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from lookup_decode import automaton as K
-from lookup_decode.config import check_match
-from lookup_decode.draft import Draft
+from lookup_decode.core import automaton as K
+from lookup_decode.core.config import check_match
+from lookup_decode.core.draft import Draft
+from lookup_decode.core.tokens import as_token_array
 
-_MAX_TOKEN_ID = 2**31 - 1
 # The kernels index tokens, states (2 per token) and edges (3 per token) with int32: past this many tokens
 # an edge id would wrap silently, so extend refuses first.
 MAX_TOKENS = (2**31 - 1 - 4) // 3
-
-
-def as_token_array(tokens, what: str = "token ids") -> np.ndarray:
-    """Validate and convert token ids (list, numpy array or 1-D torch tensor) to contiguous int32 [m]."""
-    if hasattr(tokens, "detach"):  # torch.Tensor, without importing torch here
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int32)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > _MAX_TOKEN_ID:
-        raise ValueError(f"{what} must lie in [0, 2**31 - 1], got values in [{lo}, {hi}]")
-    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 class SuffixIndex:
@@ -89,16 +72,30 @@ class SuffixIndex:
         K.init_automaton(self._slen, self._slink, self._sfirst, self._shead, self._meta)
 
     @staticmethod
-    def _buffers(cap_tokens: int) -> dict:
+    def _layout(cap_tokens: int) -> dict:
+        """name -> (dtype, length) of every buffer of an index with room for cap_tokens tokens."""
         cap_states = 2 * cap_tokens + 2
         cap_edges = 3 * cap_tokens + 4
         cap_hash = 1 << int(np.ceil(np.log2(2 * cap_edges)))
-        return dict(_cap=cap_tokens, _toks=np.zeros(cap_tokens, np.int32), _slen=np.zeros(cap_states, np.int32),
-                    _slink=np.zeros(cap_states, np.int32), _sfirst=np.zeros(cap_states, np.int32),
-                    _shead=np.zeros(cap_states, np.int32), _etok=np.zeros(cap_edges, np.int32),
-                    _eto=np.zeros(cap_edges, np.int32), _enext=np.zeros(cap_edges, np.int32),
-                    _hkey=np.full(cap_hash, -1, np.int64), _hval=np.zeros(cap_hash, np.int32),
-                    _meta=np.zeros(K.META_SIZE, np.int64))
+        return dict(_toks=(np.int32, cap_tokens), _slen=(np.int32, cap_states), _slink=(np.int32, cap_states),
+                    _sfirst=(np.int32, cap_states), _shead=(np.int32, cap_states), _etok=(np.int32, cap_edges),
+                    _eto=(np.int32, cap_edges), _enext=(np.int32, cap_edges), _hkey=(np.int64, cap_hash),
+                    _hval=(np.int32, cap_hash), _meta=(np.int64, K.META_SIZE))
+
+    @classmethod
+    def _buffers(cls, cap_tokens: int) -> dict:
+        buffers = {name: np.zeros(n, dtype) for name, (dtype, n) in cls._layout(cap_tokens).items()}
+        buffers["_hkey"][:] = -1
+        return dict(_cap=cap_tokens, **buffers)
+
+    @classmethod
+    def bytes_for(cls, n_tokens: int) -> int:
+        """Bytes an index over n_tokens tokens holds (its buffers start at 1024 tokens and double), without
+        building one: what a server bounding many indexes reserves before it indexes a request."""
+        cap = 1024
+        while cap < n_tokens:
+            cap *= 2
+        return sum(np.dtype(dtype).itemsize * n for dtype, n in cls._layout(cap).values())
 
     def _grow(self, need_tokens: int) -> None:
         """Double the buffers until `need_tokens` fit; amortized O(1) per token.

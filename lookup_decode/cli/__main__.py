@@ -1,0 +1,5 @@
+import sys
+
+from lookup_decode.cli.commands import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""A request record, the one schema the batch job (`lookup-decode run`) and `lookup-decode bench` read:
+
+    {"id": "a1", "prompt": "Summarise: ..."}                                  # the user message
+    {"id": 7, "messages": [{"role": "user", "content": "..."}], "max_new_tokens": 128}
+
+`prompt` is sent as the user message through the chat template; `messages` are chat messages as they are.
+`id` (a string or an integer) and `max_new_tokens` (an integer >= 1) are read by the batch job; bench needs
+neither. Each function raises `RecordError` naming the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class RecordError(ValueError):
+    """A record that does not follow the schema; the message names the field."""
+
+
+def read_rows(path) -> list[tuple[int, object]]:
+    """(line, row) for every record of a JSONL file (1-based line numbers; blank lines skipped) or of a Parquet
+    file (.parquet: 1-based row numbers, null fields left out). A line that is not JSON gets a RecordError in
+    place of its row, so the caller decides whether one bad line ends the run. FileNotFoundError: no file.
+
+    JSON Lines end lines with \n (or \r\n) only: U+2028, U+2029, \x85 ... are legal inside a JSON string and do
+    not end a line (str.splitlines() would split there)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return [(i, {k: v for k, v in row.items() if v is not None})
+                for i, row in enumerate(pq.read_table(path).to_pylist(), start=1)]
+    rows = []
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                rows.append((i, json.loads(raw)))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                rows.append((i, RecordError(f"not valid JSON: {e}")))
+    return rows
+
+
+def messages_of(row) -> list[dict]:
+    """The chat messages of a record: its `messages` (checked, copied as {"role", "content"}) or its `prompt`
+    as one user message. Parquet list columns (numpy arrays) are accepted as lists."""
+    if not isinstance(row, dict):
+        raise RecordError(f"expected a JSON object, got {type(row).__name__}")
+    messages, prompt = row.get("messages"), row.get("prompt")
+    if messages is not None:
+        if hasattr(messages, "tolist"):
+            messages = messages.tolist()
+        if not isinstance(messages, list) or not messages:
+            raise RecordError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise RecordError(f"messages[{i}] must be an object with string 'role' and 'content'")
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise RecordError("'prompt' must be a non-empty string")
+        return [{"role": "user", "content": prompt}]
+    raise RecordError("missing field: each record needs 'prompt' (a string) or 'messages' (a list)")
+
+
+def id_of(row: dict):
+    """The record's `id`: a string or an integer."""
+    if row.get("id") is None:
+        raise RecordError("missing field 'id'")
+    if not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool):
+        raise RecordError(f"'id' must be a string or an integer, got {type(row['id']).__name__}")
+    return row["id"]
+
+
+def max_new_tokens_of(row: dict) -> int | None:
+    """The record's own `max_new_tokens` (None: the job's default). Parquet ints may arrive as numpy or float."""
+    n = row.get("max_new_tokens")
+    if n is None:
+        return None
+    try:
+        ok = not isinstance(n, bool) and float(n) == int(n) and int(n) >= 1
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise RecordError(f"'max_new_tokens' must be an integer >= 1, got {n!r}")
+    return int(n)
