@@ -38,8 +38,10 @@ def read_rows(path) -> list[tuple[int, object]]:
             if not raw.strip():
                 continue
             try:
-                rows.append((i, json.loads(raw)))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                rows.append((i, json.loads(raw.decode("utf-8"))))
+            except UnicodeDecodeError as e:
+                rows.append((i, RecordError(f"cannot read the line as UTF-8 text: {e}")))
+            except json.JSONDecodeError as e:
                 rows.append((i, RecordError(f"not valid JSON: {e}")))
     return rows
 
@@ -57,7 +59,7 @@ def messages_of(row) -> list[dict]:
             raise RecordError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RecordError(f"messages[{i}] must be an object with string 'role' and 'content'")
+                raise RecordError(f"each of 'messages' must be an object with string 'role' and 'content': messages[{i}] is not")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt.strip():
