@@ -12,14 +12,13 @@ path is what a processor not known to be row-local still takes) and checks that 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
+from benchmarks.common import write_json
 from lookup_decode.cli.bench import environment
 from lookup_decode.core.verify import Processors
 
@@ -66,9 +65,7 @@ def main(argv=None) -> int:
                                  "speedup": batch / alone, "identical_scores": same}
         print(f"{name}: one step ({args.rows} rows x {args.positions} positions) row-local {1e3 * alone:.1f} ms, "
               f"whole batch {1e3 * batch:.1f} ms (x{batch / alone:.1f}); identical scores: {same}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return 0
 
 

@@ -6,7 +6,9 @@ What `lookup-decode bench` needs stays in `lookup_decode.cli.bench`; these serve
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -103,3 +105,10 @@ def real_pairs(tokenizer, sets: list[str], limit: int | None = None, min_tokens:
                for r in tqdm(reqs, desc=f"tokenize {name}", leave=False, disable=not progress)]
         pairs[name] = [(p, o) for p, o in got if len(o) >= min_tokens]
     return pairs
+
+
+def write_json(path, result: dict) -> None:
+    """Write a benchmark's result (environment and command inside) to `path`, making its folder; None: nowhere."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))

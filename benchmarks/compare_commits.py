@@ -68,6 +68,7 @@ class Worker:
 
 def main(argv=None) -> int:
     from benchmarks import workloads
+    from benchmarks.common import write_json
     from lookup_decode.cli.bench import environment, interleaved_order
     from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 
@@ -121,9 +122,7 @@ def main(argv=None) -> int:
               f"x{summary[cat]['median_ratio']:.3f}), identical {summary[cat]['identical']}/{len(rs)}")
     result = {"environment": environment(threads=args.threads), "packages": packages, "settings": vars(args),
               "summary": summary, "runs": runs}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return 0
 
 

@@ -51,14 +51,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.baselines import (
-    ContextCopyOracle,
-    SelectionOracle,
-    SubstitutionKey,
-    SuffixDecoding,
-    TransformersPromptLookup,
-    VllmNgram,
-)
+from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
+                                  TransformersPromptLookup, VllmNgram)
 from benchmarks.common import eos_of, real_pairs
 from lookup_decode.cli.bench import command_line, environment, spread
 from lookup_decode.core.config import LookupConfig

@@ -10,14 +10,8 @@ import torch
 
 from benchmarks import replay as study
 from benchmarks import report
-from benchmarks.baselines import (
-    ContextCopyOracle,
-    SelectionOracle,
-    SubstitutionKey,
-    SuffixDecoding,
-    TransformersPromptLookup,
-    VllmNgram,
-)
+from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
+                                  TransformersPromptLookup, VllmNgram)
 from benchmarks.common import accepted_histogram, first_mismatch
 from lookup_decode.cli import bench
 from lookup_decode.core.cost import CostCurve
