@@ -37,7 +37,7 @@ import numpy as np
 from benchmarks.vllm_ngram import VllmNgramProposer
 from benchmarks.vllm_runner import SimRequest, SimRunner
 from lookup_decode.cli.bench import environment
-from lookup_decode.engines.vllm import LookupDrafter, Settings
+from lookup_decode.engines.vllm.drafter import LookupDrafter, Settings
 from lookup_decode.sources.memory import Memory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vllm"

