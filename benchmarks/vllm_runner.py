@@ -12,7 +12,17 @@ What it reproduces of vLLM (read from vllm/v1/worker/gpu_input_batch.py and gpu_
 * rows that move: finished requests leave at the next step and the batch is condensed (the last rows
   fill the holes); an unscheduled request leaves the batch and comes back later in another row;
   rows may be swapped (the runner reorders decode and prefill rows);
-* the engine truncates a request's output at its max_tokens (here the end of its known continuation).
+* the engine truncates a request's output at its max_tokens (here the end of its known continuation) and at
+  max_model_len;
+* the whole-batch skip (`_input_fits_in_drafter`, gpu_model_runner.py ~4288-4467): when any row's length + K
+  exceeds max_model_len, propose is not called that step and every row is given K drafts of token id 0;
+* preemption and recompute: a request leaves the batch for some steps, then comes back with its prompt and
+  output in its row, prefills all of it again (in chunks: `[]` sampled) and samples one new token;
+* sampled requests (`p_off`): vLLM keeps a point-mass draft token d with probability p_target(d)
+  (v1/sample/rejection_sampler.py ~870-884) and draws the recovered token from p_target without d. Here
+  p_target puts 1 - p_off on the request's known token and spreads p_off over the vocabulary; a token drawn off
+  the known one replaces it in the request's continuation;
+* a clock: each step takes step_seconds(tokens verified) of simulated time (`now`), for drafters that time steps.
 Used by tests/test_vllm.py and the vLLM benchmarks; no vLLM needed.
 """
 
@@ -35,6 +45,7 @@ class SimRequest:
     drafts: list = field(default_factory=list)      # the draft returned at each propose (after the first token)
     emitted: list = field(default_factory=list)     # tokens emitted per decode step
     draft: list = field(default_factory=list)       # the pending draft, verified at the next step
+    to_prefill: int = -1                            # tokens the next prefill computes (-1: the prompt)
 
     @property
     def done(self) -> bool:
@@ -46,7 +57,8 @@ class SimRunner:
 
     def __init__(self, drafter, max_num_reqs: int = 16, max_model_len: int = 4096, *, seed: int = 0,
                  p_unscheduled: float = 0.0, p_swap: float = 0.0, arrivals_per_step: int | None = None,
-                 on_step=None):
+                 on_step=None, k: int = 8, p_preempt: float = 0.0, preempt_steps: int = 20, p_off: float = 0.0,
+                 vocab: int = 64, step_seconds=None):
         self.drafter = drafter
         self.max_model_len = max_model_len
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)
@@ -57,6 +69,11 @@ class SimRunner:
         self.arrivals_per_step = arrivals_per_step
         self.on_step = on_step                  # called after every propose (tests check bounds there)
         self.steps = 0
+        self.k, self.p_preempt, self.preempt_steps = k, p_preempt, preempt_steps
+        self.p_off, self.vocab = p_off, vocab
+        self.step_seconds = step_seconds        # tokens verified in a step -> its seconds (None: no clock)
+        self.now = 0.0
+        self.skipped = self.preempted = self.proposes = 0
 
     def _add(self, req: SimRequest) -> bool:
         free = [i for i, r in enumerate(self.rows) if r is None]
@@ -86,20 +103,62 @@ class SimRunner:
         self.num_tokens_no_spec[[a, b]] = self.num_tokens_no_spec[[b, a]]
         self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
 
+    def clock(self) -> float:
+        return self.now
+
+    def _finished(self, i: int, r: SimRequest) -> bool:
+        return r.done or int(self.num_tokens_no_spec[i]) >= self.max_model_len
+
+    def _verify(self, r: SimRequest) -> list[int]:
+        """The tokens the engine emits for r's pending draft: greedy, or point-mass rejection sampling."""
+        future = r.truth[len(r.out):]
+        if self.p_off == 0:
+            kept = kept_prefix(np.asarray(r.draft, np.int32), future)
+            return [int(t) for t in future[: kept + 1]]
+        new = []
+        for j in range(min(len(r.draft), len(future) - 1) + 1):
+            p = np.full(self.vocab, self.p_off / self.vocab)
+            p[int(future[j])] += 1 - self.p_off
+            d = r.draft[j] if j < len(r.draft) else None
+            if d is not None and self.rng.random() < p[d]:
+                new.append(int(d))                              # accepted
+            else:
+                if d is not None:
+                    p[d] = 0.0                                  # recovered: p_target without the draft token
+                new.append(int(self.rng.choice(self.vocab, p=p / p.sum())))
+            if new[-1] != int(future[j]):
+                r.truth = r.truth.copy()
+                r.truth[len(r.out) + j] = new[-1]               # the sampled path replaces the known token
+            if d is None or new[-1] != d:
+                break
+        return new
+
     def run(self, requests: list[SimRequest]) -> None:
         waiting = list(requests)
         away: list[SimRequest] = []             # unscheduled for a step; rejoin next step
-        while waiting or away or any(r is not None for r in self.rows):
+        preempted: list[list] = []              # [steps left, request]
+        while waiting or away or preempted or any(r is not None for r in self.rows):
             self.steps += 1
             # 1. Finished requests leave; unscheduled ones leave for this step; the batch is condensed.
             for i, r in enumerate(self.rows):
-                if r is not None and r.done:
+                if r is not None and self._finished(i, r):
                     self.rows[i] = None
             back, away = away, []
             for i, r in enumerate(self.rows):
-                if r is not None and r.prefilled == len(r.prompt) and self.rng.random() < self.p_unscheduled:
+                if r is None or r.prefilled < max(r.to_prefill, len(r.prompt)):
+                    continue
+                if self.rng.random() < self.p_preempt:          # preempted: its KV cache is freed, recomputed later
+                    self.rows[i] = None
+                    r.to_prefill, r.prefilled, r.draft = len(r.prompt) + len(r.out), 0, []
+                    preempted.append([self.preempt_steps, r])
+                    self.preempted += 1
+                elif self.rng.random() < self.p_unscheduled:
                     self.rows[i] = None
                     away.append(r)
+            for entry in preempted:
+                entry[0] -= 1
+            back += [r for n, r in preempted if n <= 0]
+            preempted = [e for e in preempted if e[0] > 0]
             self._condense()
             # 2. Returning, then new requests join (lowest free rows).
             for r in back:
@@ -118,17 +177,19 @@ class SimRunner:
             # 3. The forward: prefill chunks, or verify each row's pending draft against its truth.
             B = max(used) + 1 if used else 0
             sampled: list[list[int]] = [[] for _ in range(B)]
+            verified = 0
             for i in used:
                 r = self.rows[i]
-                if r.prefilled < len(r.prompt):
-                    r.prefilled = min(len(r.prompt), r.prefilled + r.chunk)
-                    if r.prefilled < len(r.prompt):
+                target = max(r.to_prefill, len(r.prompt))
+                if r.prefilled < target:
+                    verified += min(target - r.prefilled, r.chunk)
+                    r.prefilled = min(target, r.prefilled + r.chunk)
+                    if r.prefilled < target:
                         continue                                 # partial prefill: nothing sampled
-                    new = [int(r.truth[0])]
+                    new = [int(r.truth[len(r.out)])]
                 else:
-                    future = r.truth[len(r.out):]
-                    kept = kept_prefix(np.asarray(r.draft, np.int32), future)
-                    new = [int(t) for t in future[: kept + 1]]
+                    verified += 1 + len(r.draft)
+                    new = self._verify(r)
                     r.emitted.append(len(new))
                 new = new[: len(r.truth) - len(r.out)]          # the engine stops at max_tokens
                 c = int(self.num_tokens_no_spec[i])
@@ -136,13 +197,25 @@ class SimRunner:
                 self.num_tokens_no_spec[i] = c + len(new)
                 r.out.extend(new)
                 sampled[i] = new
-            # 4. Draft for the next step.
-            if B:
+            if self.step_seconds is not None:
+                self.now += self.step_seconds(verified)
+            # 4. Draft for the next step, unless a row is within k tokens of max_model_len: then vLLM skips the
+            # drafter for the whole batch and schedules k drafts of token 0 for every row.
+            fits = all(int(self.num_tokens_no_spec[i]) + self.k <= self.max_model_len for i in used)
+            if B and not fits:
+                self.skipped += 1
+                for i in used:
+                    r = self.rows[i]
+                    room = self.max_model_len - int(self.num_tokens_no_spec[i]) - 1
+                    r.draft = [0] * max(min(self.k, room), 0) if sampled[i] else []
+            elif B:
+                self.proposes += 1
                 drafts = self.drafter.propose(sampled, self.num_tokens_no_spec, self.token_ids_cpu, slot_mappings=None)
                 assert len(drafts) == B
                 for i in used:
                     r = self.rows[i]
                     if sampled[i]:
+                        assert len(drafts[i]) <= self.k, "a draft longer than num_speculative_tokens"
                         r.draft = list(drafts[i])
                         r.drafts.append(r.draft)
                     else:

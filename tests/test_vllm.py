@@ -1,11 +1,16 @@
-"""lookup_decode.vllm.LookupDrafter under a CPU simulation of vLLM's runner (benchmarks/vllm_runner.py).
+"""lookup_decode.vllm.LookupDrafter under a CPU simulation of vLLM's runner (benchmarks/vllm_runner.py); the real
+engine's tests are tests/test_vllm_engine.py (scripts/test_vllm.sh).
 
-The drafter must give, row for row, the drafts the transformers path gives for the same token stream
-(the replay runs that path's `decode.step`), while rows move, finish, join, go unscheduled and prefill
-in chunks; and keep its memory within its bounds.
+The drafter's full proposals must be, row for row, those the transformers path makes for the same token stream
+(the replay runs that path's `decode.step`) while rows move, finish, join, go unscheduled, prefill in chunks,
+are preempted and recomputed, or the engine skips the drafter; the lengths it sends must be the best by its
+cost model; its state must stay bounded and never orphaned; and it must never fail the engine.
 """
 
 import importlib.util
+import logging
+import weakref
+from dataclasses import fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,8 +19,9 @@ import pytest
 from benchmarks.vllm_runner import SimRequest, SimRunner
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
-from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.replay import replay
+from lookup_decode.engines.vllm import drafter as lv
+from lookup_decode.engines.vllm import settings as lvs
 from lookup_decode.sources.corpus import CorpusFileError
 from lookup_decode.sources.memory import Memory, References
 from lookup_decode.sources.proposer import SourcesProposer
@@ -83,13 +89,16 @@ def _drafter(k=8, settings=None, **kw):
     return lv.LookupDrafter.from_settings(settings or lv.Settings(), k, eos_token_ids=EOS, **kw)
 
 
+FULL = lv.Settings(adaptive=False, draft_cost=0.0)      # every proposed token sent: drafts are the full proposals
+
+
 @pytest.mark.parametrize("k", [1, 4, 16])
-@pytest.mark.parametrize("draft_cost", [0.0, 0.05])
-def test_drafts_equal_transformers_path_while_rows_move(k, draft_cost):
+def test_drafts_equal_transformers_path_while_rows_move(k):
     requests = _requests(seed=k, n=40, chunk=32)
-    drafter = _drafter(k, lv.Settings(draft_cost=draft_cost))
-    SimRunner(drafter, max_num_reqs=8, seed=k, p_unscheduled=0.05, p_swap=0.3, arrivals_per_step=2).run(requests)
-    compared, accepted = _compare(requests, lambda: SuffixIndex(eos_token_ids=EOS), k, drafter.cost)
+    # No request retires while it waits outside a full batch: each is indexed once (test_preempted_* rebuilds).
+    drafter = _drafter(k, lv.Settings(adaptive=False, draft_cost=0.0, idle_steps=10**6))
+    SimRunner(drafter, max_num_reqs=8, seed=k, p_unscheduled=0.05, p_swap=0.3, arrivals_per_step=2, k=k).run(requests)
+    compared, accepted = _compare(requests, lambda: SuffixIndex(eos_token_ids=EOS), k, None)
     assert compared > 200 and accepted > 100          # guard: drafts were produced and accepted
     assert drafter.stats.built == len(requests)       # every request indexed once, then only extended
     assert drafter.stats.extended > 0 and drafter.stats.accepted > 0
@@ -104,27 +113,132 @@ def test_drafts_equal_transformers_path_with_memory_and_references(tmp_path):
     refs.register("doc", tokens=rng.integers(3, 12, size=400))
     k = 8
     # idle_steps: no request retires during the run, so the memory is the same for both paths.
-    drafter = _drafter(k, lv.Settings(idle_steps=10**6), memory=memory, references=refs)
+    drafter = _drafter(k, lv.Settings(idle_steps=10**6, adaptive=False, draft_cost=0.0), memory=memory,
+                       references=refs)
     SimRunner(drafter, max_num_reqs=6, seed=1, p_swap=0.5, arrivals_per_step=1).run(requests)
     corpora = [("memory", memory), ("references", refs)]
     compared, accepted = _compare(requests, lambda: SourcesProposer(SuffixIndex(eos_token_ids=EOS), corpora,
-                                                                    eos_token_ids=EOS), k, drafter.cost)
+                                                                    eos_token_ids=EOS), k, None)
     assert compared > 100 and accepted > 50
     assert drafter.stats.sources["memory"] > 0       # guard: the memory really drafted
+
+
+def test_sent_lengths_are_the_best_for_the_learned_step_cost():
+    """Adaptive: each step sends the draft prefixes `ragged_lengths` picks for the cost the drafter has learned
+    from the (simulated) step times; the learned cost approaches the simulated one."""
+    sent = []
+
+    class Watch(lv.LookupDrafter):
+        def _propose(self, *args):
+            out = super()._propose(*args)
+            sent.append((self.cost.token_cost, [len(d) for d in out]))
+            return out
+
+    requests = _requests(seed=2, n=16)
+    drafter = Watch.from_settings(lv.Settings(), 8, eos_token_ids=EOS)
+    runner = SimRunner(drafter, max_num_reqs=6, seed=2, arrivals_per_step=1, step_seconds=lambda n: 0.05 + 0.004 * n)
+    drafter.clock = runner.clock
+    runner.run(requests)
+    assert drafter.cost.token_cost == pytest.approx(0.08, rel=0.15)   # 0.004 / 0.05
+    full = _drafter(8, FULL)
+    SimRunner(full, max_num_reqs=6, seed=2, arrivals_per_step=1).run(_requests(seed=2, n=16))
+    assert 0 < drafter.stats.drafted < full.stats.drafted             # expensive tokens: shorter drafts, not none
+    assert drafter.stats.accepted / drafter.stats.drafted > full.stats.accepted / full.stats.drafted
+
+
+def test_stands_down_where_drafts_do_not_pay():
+    """Chat-like requests (little to copy) on a step whose tokens are dear: almost nothing is drafted, while
+    the same requests on a flat-cost engine (a GPU) keep drafting what the index offers."""
+    def run(seconds):
+        requests = _requests(seed=4, n=16, copy=False)
+        drafter = _drafter(8)
+        runner = SimRunner(drafter, max_num_reqs=8, seed=4, step_seconds=seconds)
+        drafter.clock = runner.clock
+        runner.run(requests)
+        return drafter.stats
+    dear, flat = run(lambda n: 0.05 + 0.01 * n), run(lambda n: 0.05 + 1e-6 * n)
+    assert dear.drafted < 0.25 * flat.drafted and flat.drafted > 100
+
+
+def test_a_skipped_step_continues_the_requests_without_orphans():
+    """vLLM skips the drafter for the whole batch while any row is within k of max_model_len: the requests are
+    continued (not rebuilt), nothing is learned from the missed tokens, and no state is left behind."""
+    rng = np.random.default_rng(9)
+    requests = [SimRequest(rng.integers(3, 12, size=int(n)).astype(np.int32), np.tile(np.arange(3, 9), 30)[:int(m)]
+                           .astype(np.int32)) for n, m in [(40, 150), (30, 100), (60, 150), (20, 80)]]
+    drafter = _drafter(4, FULL)
+    runner = SimRunner(drafter, max_num_reqs=4, max_model_len=200, k=4)
+    runner.run(requests)
+    assert runner.skipped > 0 and drafter.stats.continued > 0        # guard: the skip happened and was followed
+    assert drafter.stats.built == len(requests)                      # nobody rebuilt from a whole row
+    drafter.flush()
+    assert drafter.live_requests == 0 and drafter.index_bytes == 0
+    after = [len(d) for r in requests for d in r.drafts[-5:]]
+    assert sum(after) > 0                                            # drafting went on after the skips
+
+
+@pytest.mark.parametrize("steps", [3, 40])
+def test_preempted_requests_keep_their_prompt_length(steps, tmp_path):
+    """Preempted for fewer steps than idle_steps: the state waits and is extended; for more: it was retired, and
+    the rebuilt request gets its prompt length back. Either way every entry stored in the memory is output only
+    (never part of a prompt): a request retired while preempted stores what it had emitted, a prefix of its
+    output, and its whole output when it finishes."""
+    requests = _requests(seed=6, n=12)
+    memory = Memory(100_000)
+    drafter = _drafter(8, lv.Settings(idle_steps=16), memory=memory)
+    runner = SimRunner(drafter, max_num_reqs=4, seed=6, p_preempt=0.05, preempt_steps=steps)
+    runner.run(requests)
+    drafter.flush()
+    assert runner.preempted > 0
+    if steps > 16:
+        assert drafter.stats.resumed > 0
+    stored = [e.tokens.tolist() for e in memory.entries()]
+    outputs = [r.truth.tolist() for r in requests]
+    assert stored and all(any(o[: len(s)] == s for o in outputs) for s in stored)
+    assert sum(s in outputs for s in stored) == len(requests)           # every whole output, once
+
+
+def test_sampled_rows_draft_and_learn_lower_acceptance():
+    """Point-mass rejection sampling: drafts are kept with the target's probability of the token; the drafter keeps
+    drafting and its acceptance model sees fewer kept tokens than under greedy."""
+    greedy, sampled = _drafter(8, FULL), _drafter(8, FULL)
+    SimRunner(greedy, max_num_reqs=4, seed=3).run(_requests(seed=8, n=12))
+    SimRunner(sampled, max_num_reqs=4, seed=3, p_off=0.3, vocab=12).run(_requests(seed=8, n=12))
+    assert sampled.stats.accepted > 0
+    assert sampled.stats.accepted / sampled.stats.drafted < greedy.stats.accepted / greedy.stats.drafted
+
+
+def test_an_exception_inside_propose_is_logged_once_and_serving_goes_on(caplog):
+    class Faulty(lv.LookupDrafter):
+        calls = 0
+
+        def _propose(self, *args):
+            Faulty.calls += 1
+            if Faulty.calls in (3, 5):
+                raise RuntimeError("boom")
+            return super()._propose(*args)
+
+    drafter = Faulty.from_settings(lv.Settings(), 8, eos_token_ids=EOS)
+    requests = _requests(seed=1, n=6)
+    with caplog.at_level(logging.ERROR, logger="lookup_decode.vllm"):
+        SimRunner(drafter, max_num_reqs=4).run(requests)
+    assert drafter.stats.errors == 2 and len([r for r in caplog.records if "drafter failed" in r.message]) == 1
+    assert all(r.done for r in requests) and drafter.stats.accepted > 0     # the engine went on, drafting too
+    assert [r.out for r in requests] == [r.truth.tolist() for r in requests]
 
 
 def test_identical_requests_in_one_batch_keep_separate_states():
     """Two rows with equal content (parallel sampling of one prompt) each get a state and the same drafts."""
     req = _requests(seed=5, n=1)[0]
     twins = [SimRequest(req.prompt, req.truth), SimRequest(req.prompt.copy(), req.truth.copy())]
-    drafter = _drafter(8)
+    drafter = _drafter(8, FULL)
     SimRunner(drafter, max_num_reqs=4).run(twins)
     assert twins[0].drafts == twins[1].drafts and sum(map(len, twins[0].drafts)) > 0
     assert drafter.stats.built == 2
 
 
 def test_partial_prefill_rows_get_no_draft_and_no_state():
-    drafter = _drafter(4)
+    drafter = _drafter(4, FULL)
     tokens = np.zeros((2, 64), np.int32)
     tokens[0, :10] = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     assert drafter.propose([[], []], np.array([10, 0]), tokens) == [[], []]
@@ -148,11 +262,12 @@ def test_memory_stays_within_bounds_over_10000_requests(tmp_path):
     rng = np.random.default_rng(0)
     requests = [SimRequest(rng.integers(3, 50, size=12).astype(np.int32), rng.integers(3, 50, size=4).astype(np.int32))
                 for _ in range(10_000)]
-    SimRunner(drafter, max_num_reqs=48, seed=0, p_unscheduled=0.02, on_step=check).run(requests)
+    SimRunner(drafter, max_num_reqs=48, seed=0, p_unscheduled=0.02, on_step=check, k=4).run(requests)
     assert drafter.stats.built >= 10_000 and drafter.stats.retired + drafter.stats.evicted > 9_000
     assert drafter.stats.refused > 0                  # 48 rows, room for 40: the bound was reached
     assert peak["bytes"] > bound // 2 and drafter.stats.stored > 9_000
     assert Memory.load(tmp_path / "replica.mem").n_tokens > 0   # saved for other replicas
+    assert drafter.pool.slots <= 64                  # slots are reused, never leaked
 
 
 def test_a_replica_loads_memory_saved_by_another(tmp_path):
@@ -172,6 +287,17 @@ def test_a_replica_loads_memory_saved_by_another(tmp_path):
     assert len(lonely.emitted) < len(isolated.emitted)      # fewer steps for the same tokens
 
 
+def test_memory_is_saved_at_exit_with_the_live_requests(tmp_path):
+    """vLLM calls nothing on a drafter at shutdown: the exit hook stores the live requests' outputs and saves."""
+    path = tmp_path / "exit.mem"
+    drafter = lv.LookupDrafter.from_settings(lv.Settings(memory_save=str(path)), 8, eos_token_ids=EOS)
+    runner = SimRunner(drafter, max_num_reqs=2)
+    runner.run(_requests(seed=12, n=2))
+    assert drafter.live_requests > 0 and not path.exists()
+    lv._flush_at_exit(weakref.ref(drafter))
+    assert Memory.load(path).n_tokens > 0 and drafter.live_requests == 0
+
+
 # -- construction from vLLM's config and environment -------------------------------------------------
 
 def _vllm_config(k=4, vocab=50, max_model_len=256):
@@ -184,9 +310,46 @@ def _vllm_config(k=4, vocab=50, max_model_len=256):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in [f.name for f in lv.fields(lv.Settings)] + ["config"]:
+    for name in [f.name for f in fields(lv.Settings)] + ["config"]:
         monkeypatch.delenv(lv.ENV_PREFIX + name.upper(), raising=False)
     return monkeypatch
+
+
+def test_additional_config_wins_over_environment_and_file(clean_env, tmp_path):
+    (tmp_path / "s.json").write_text('{"k": 3, "min_match": 3, "max_match": 9}')
+    clean_env.setenv("LOOKUP_DECODE_CONFIG", str(tmp_path / "s.json"))
+    clean_env.setenv("LOOKUP_DECODE_MIN_MATCH", "2")
+    config = _vllm_config(k=8)
+    config.additional_config = {"lookup_decode": {"k": 5, "adaptive": False}}
+    drafter = lv.LookupDrafter(config)
+    assert (drafter.k, drafter.settings.min_match, drafter.settings.max_match) == (5, 2, 9)
+    assert drafter.settings.adaptive is False
+    config.additional_config = {"lookup_decode": {"kk": 1}}
+    with pytest.raises(ValueError, match="unknown settings"):
+        lv.LookupDrafter(config)
+
+
+def test_replicas_write_their_own_memory_files_and_one_tensor_rank_writes(clean_env, tmp_path):
+    config = _vllm_config()
+    config.parallel_config = SimpleNamespace(data_parallel_rank=1, data_parallel_size=2)
+    clean_env.setenv("LOOKUP_DECODE_MEMORY_SAVE", str(tmp_path / "mem.npz"))
+    assert lv.LookupDrafter(config).memory_save == str(tmp_path / "mem-replica1.npz")
+    clean_env.setenv("LOOKUP_DECODE_MEMORY_SAVE", str(tmp_path / "m{replica}.npz"))
+    assert lv.LookupDrafter(config).memory_save == str(tmp_path / "m1.npz")
+    assert lvs.replica_path("a.npz", 0, 1) == "a.npz"
+    # Every replica's files load with one pattern.
+    for i in range(2):
+        memory = Memory(100)
+        memory.add([3, 4, 5 + i])
+        memory.save(tmp_path / f"r{i}.npz")
+    clean_env.setenv("LOOKUP_DECODE_MEMORY", str(tmp_path / "r*.npz"))
+    assert lv.LookupDrafter(config).memory.n_tokens == 6
+
+
+def test_a_config_without_eos_builds(clean_env):
+    config = _vllm_config()
+    config.model_config.hf_config = SimpleNamespace(vocab_size=50)      # no eos_token_id attribute at all
+    assert lv.LookupDrafter(config).eos == ()
 
 
 def test_constructed_from_vllm_config_and_environment(clean_env, tmp_path):
@@ -248,6 +411,9 @@ def test_bad_settings_fail_at_construction(clean_env, tmp_path):
     clean_env.setenv("LOOKUP_DECODE_CONFIG", str(tmp_path / "s.json"))
     with pytest.raises(ValueError, match="unknown settings"):
         lv.LookupDrafter(_vllm_config())
+    clean_env.setenv("LOOKUP_DECODE_CONFIG", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="no such settings file"):
+        lv.LookupDrafter(_vllm_config())
 
 
 def test_fingerprints_tell_rows_apart_by_length_and_sampled_positions():
@@ -256,17 +422,12 @@ def test_fingerprints_tell_rows_apart_by_length_and_sampled_positions():
     assert f[0] == f[1] and f[2] != f[3] and f[0] != f[2]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (its builds need CUDA)")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (scripts/test_vllm.sh)")
 def test_vllm_loads_the_drafter(clean_env):
     """The way vLLM's own test builds a custom proposer: a SimpleNamespace config."""
     from vllm.v1.spec_decode import custom_class_proposer as ccp
-    config = _vllm_config(k=4)
-    if hasattr(ccp, "create_custom_proposer"):            # class path in speculative_config.model
-        drafter = ccp.create_custom_proposer(config)
-        assert isinstance(drafter, lv.LookupDrafter)
-    else:                                                 # older form: custom_proposer_backend, wrapped
-        config.speculative_config.custom_proposer_backend = "lookup_decode.vllm.LookupDrafter"
-        drafter = ccp.CustomClassProposer(config)
+    drafter = ccp.create_custom_proposer(_vllm_config(k=4))     # the class path in speculative_config.model
+    assert isinstance(drafter, lv.LookupDrafter)
     tokens = np.zeros((1, 256), np.int32)
     tokens[0, :9] = [5, 6, 7, 8, 9, 5, 6, 7, 8]
     drafts = drafter.propose(sampled_token_ids=[[8]], num_tokens_no_spec=np.array([9]), token_ids_cpu=tokens,

@@ -32,6 +32,44 @@ _ROWS_IN_TURN = 4       # observe_rows: up to this many rows, one observe per ro
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def prior_counts(first_prior_factor: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The acceptance counts a request starts from: [bucket, (kept, tried)] float64 [_N_BUCKETS, 2] for the first
+    draft position and for later ones, the prior rates with the weight of _PRIOR_WEIGHT observations."""
+    factor = FIRST_PRIOR_FACTOR if first_prior_factor is None else first_prior_factor
+    first = np.stack([factor * MEASURED_FIRST * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
+    later = np.stack([PRIOR_LATER * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
+    return first, later
+
+
+def ragged_lengths(p_kept: np.ndarray, available: np.ndarray, token_cost: float) -> np.ndarray:
+    """How many tokens of each row's draft to verify when every row verifies its own number (an engine that
+    packs rows back to back, like vLLM): the choice that maximizes the step's expected emitted tokens per
+    unit of its cost.
+
+    p_kept: float [r, k], row i's probability that draft token j is kept (non-increasing in j);
+    available: int [r], the tokens row i has; token_cost: the cost of one more token in the step relative to
+    the step's fixed cost (seconds = fixed (1 + token_cost x tokens); 0: tokens are free). Every row emits one
+    token anyway, so the step's value is r + the kept drafts and its cost 1 + token_cost (r + drafted). Taking
+    draft tokens from the most to the least probable, that ratio rises while a token's probability exceeds
+    token_cost times the ratio so far, then falls: the best prefix of that order is the answer, and within a
+    row it is a prefix of its draft. Returns int64 [r].
+
+    Example: p_kept [[0.9, 0.8], [0.1, 0.05]], available [2, 2], token_cost 0.2 -> [2, 0].
+    """
+    r = p_kept.shape[0]
+    if r == 0:
+        return np.zeros(0, np.int64)
+    cols = np.arange(p_kept.shape[1])
+    p = np.where(cols[None, :] < np.asarray(available)[:, None], p_kept, -1.0).ravel()
+    order = np.argsort(-p, kind="stable")           # stable: a row's equal probabilities stay in draft order
+    top = p[order]
+    top = top[: int(np.searchsorted(-top, 0.0, side="left"))]      # only tokens that can be kept
+    value = r + np.concatenate([[0.0], np.cumsum(top)])
+    cost = 1.0 + token_cost * (r + np.arange(len(top) + 1))
+    m = int(np.argmax(value / cost))
+    return np.bincount(order[:m] // p_kept.shape[1], minlength=r).astype(np.int64)
+
+
 def bucket(match_len: int) -> int:
     """Match-length bucket 0.._N_BUCKETS - 1: 1, 2-3, 4-7, ... (powers of two)."""
     return min(max(int(match_len), 1).bit_length() - 1, _N_BUCKETS - 1)
@@ -63,11 +101,7 @@ class DraftPolicy:
     def __init__(self, k: int, cost=None, *, first_prior_factor: float = FIRST_PRIOR_FACTOR):
         self.k = check_k(k)
         self.cost = cost
-        # [bucket, (kept, tried)] for the first position and for later positions, starting from the
-        # prior rates with the weight of _PRIOR_WEIGHT observations.
-        first = first_prior_factor * MEASURED_FIRST
-        self.first = np.stack([first * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
-        self.later = np.stack([PRIOR_LATER * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
+        self.first, self.later = prior_counts(first_prior_factor)
         self._powers = np.arange(self.k + 1, dtype=np.float64)
 
     def expected_emitted(self, match_len: int, max_d: int) -> np.ndarray:

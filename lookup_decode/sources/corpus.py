@@ -27,6 +27,7 @@ import os
 import tempfile
 import threading
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,13 @@ class Corpus:
         if self._max_id >= vocab_size:
             raise ValueError(f"the {self.kind} holds token id {self._max_id} but {what} has a vocabulary of "
                              f"{vocab_size} ids; was it filled with another tokenizer?")
+
+    @contextmanager
+    def reading(self):
+        """(index, version) of the corpus, held unchanged while the block runs: for drafters that read the
+        index directly (`core.pool.IndexPool.step` follows many requests over it in one call)."""
+        with self._lock:
+            yield self._index, self.version
 
     def cursor(self, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()) -> "Cursor":
         return Cursor(self, min_match=min_match, max_match=max_match, eos_token_ids=eos_token_ids)

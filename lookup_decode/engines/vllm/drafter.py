@@ -1,153 +1,81 @@
 """lookup_decode as a vLLM drafter: `speculative_config={"method": "custom_class", "model":
 "lookup_decode.vllm.LookupDrafter", "num_speculative_tokens": K}`.
 
-vLLM (v1 GPU model runner) builds the class with the engine's `vllm_config` and, after every step,
-calls `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None)`: the
-persistent batch as a token matrix (row i holds the request's prompt and committed tokens,
-`token_ids_cpu[i, :num_tokens_no_spec[i]]`, the tokens sampled this step already written in), and
-per row the tokens this step emitted (`[]`: a partial prefill). It returns one draft per row, ragged,
-`[]` for none. Request ids are not passed, and rows move (finished requests leave and the batch is
-condensed; unscheduled ones leave and come back elsewhere).
+vLLM's model runner builds the class with the engine's `vllm_config`, calls `load_model(model)`, and after
+every step `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)`: the persistent
+batch as a token matrix (row i holds its request's prompt and committed tokens, `token_ids_cpu[i,
+:num_tokens_no_spec[i]]`, this step's sampled tokens already written in) and per row the tokens this step
+emitted (`[]`: a partial prefill). It wants one draft per row, ragged (`[]` for none), at most K tokens, and it
+runs the call inside every step, serially: its time is every step's time.
 
-So each live request is recognised by content: a fingerprint of its row (length, first tokens, last
-tokens, tokens at evenly spaced positions: O(1) per row, whatever the context) before this step's
-tokens must equal the fingerprint the request had after the previous step. Its state — the same
-drafter as the transformers path (`SuffixIndex`, wrapped in `SourcesProposer` with memory /
-references) and its own `DraftPolicy` — is then extended by the new tokens only. A row whose
-fingerprint is unknown (a new request, or one whose state was dropped) gets a state built from its
-row once. A wrong recognition (two requests of equal length agreeing on every sampled position) can
-only cost draft quality: vLLM verifies every draft, so the output never depends on the drafter.
+So one call does, for all rows at once:
+1. find each row's request (`requests.RequestTable`, by content: vLLM passes no request ids);
+2. in one compiled call (`core.pool.IndexPool.step`): learn from what the engine kept of each row's last draft,
+   extend its index by the new tokens, draft from the request itself and the shared corpora (session memory,
+   reference documents: the longest match wins, as in `generate`), and price each draft token by its
+   probability of being kept;
+3. choose how many tokens of each draft to send (`policy.ragged_lengths`): those that pay for their place in
+   the step, the cost of a token being learned from the time between calls (`cost.StepCost`), since vLLM calls
+   once per step;
+4. retire requests absent for `idle_steps` steps (their outputs go to the memory) and keep the indexes within
+   `max_index_bytes`.
 
-States of requests absent for `idle_steps` steps are retired (their output goes to the session
-memory, if any); index bytes stay within `max_index_bytes` (least recently seen states go first; a
-new request that does not fit while every state is live gets no index, and no drafts, until one frees).
-
-Settings come from environment variables or a JSON file (vLLM passes no options to the class); see
-`Settings`. Nothing here imports vLLM.
+Failures never stop the engine: an exception inside a call is logged once, that step drafts nothing, and the
+drafter starts afresh. Settings: `settings.Settings`. Nothing here imports vLLM at module level.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
+import contextlib
+import glob
+import logging
 import os
+import time
+import weakref
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.core.config import LookupConfig, check_k, check_match
-from lookup_decode.core.cost import CostCurve
-from lookup_decode.core.draft import Draft, kept_prefix
+from lookup_decode.core.cost import StepCost
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.core.policy import DraftPolicy
+from lookup_decode.core.policy import ragged_lengths
+from lookup_decode.core.pool import IndexPool
 from lookup_decode.core.tokens import eos_ids
+from lookup_decode.engines.vllm import cpu_fix
+from lookup_decode.engines.vllm.requests import RequestTable, fingerprints  # noqa: F401  (fingerprints: documented)
+from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path  # noqa: F401
 from lookup_decode.sources.memory import Memory, References, load_memory, load_references
-from lookup_decode.sources.proposer import MEMORY, REFERENCES, SourcesProposer
+from lookup_decode.sources.proposer import MEMORY, REFERENCES, REQUEST
 
-ENV_PREFIX = "LOOKUP_DECODE_"
-
-# Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
-# requests that share a long template at both ends (same system prompt, same closing question).
-_HEAD, _TAIL, _SPREAD = 8, 16, 8
-_MULT = np.random.default_rng(20250514).integers(1, 2**63, size=_HEAD + _TAIL + _SPREAD + 1, dtype=np.uint64) | 1
+log = logging.getLogger("lookup_decode.vllm")
+SOURCES = (REQUEST, MEMORY, REFERENCES)
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What the drafter reads from LOOKUP_DECODE_<NAME> (upper case) or from the JSON file named by
-    LOOKUP_DECODE_CONFIG (lower-case keys); environment variables win over the file.
-
-    k: most draft tokens per step (default and upper bound: vLLM's num_speculative_tokens).
-    min_match, max_match: as in `LookupConfig` (same defaults as the transformers path).
-    draft_cost: cost of one draft token in the verify forward relative to the step without drafts
-        (the policy drafts d tokens when E[emitted | d] / (1 + draft_cost * d) is best). 0: always
-        draft everything the index proposes (up to k), like vLLM's n-gram proposer.
-    memory: memory file(s) to load at start (os.pathsep-separated; merged), made by `Memory.save` or
-        by another replica's `memory_save`.
-    memory_save: where this replica writes its memory (every `save_every` stored outputs, and on
-        `flush`). With memory_save but no memory file yet, the memory starts empty.
-    memory_tokens: the memory's bound in tokens.
-    references: a `References.save` file, or a folder of them and of text files (tokenized with the
-        engine's tokenizer).
-    max_index_bytes: bound on the bytes of all per-request indexes together.
-    idle_steps: a request absent from the batch for this many steps is retired.
-    save_every: memory_save is written after this many outputs were stored.
-    reload_every: every this many steps, the memory files are read again and their new entries added
-        (what other replicas saved since); 0: only at start.
-    eos: token ids a draft never contains (default: the model config's eos_token_id).
-    """
-    k: int | None = None
-    min_match: int = LookupConfig.min_match
-    max_match: int = LookupConfig.max_match
-    draft_cost: float = 0.02
-    memory: str | None = None
-    memory_save: str | None = None
-    memory_tokens: int = 1_000_000
-    references: str | None = None
-    max_index_bytes: int = 4 * 2**30
-    idle_steps: int = 16
-    save_every: int = 64
-    reload_every: int = 0
-    eos: tuple[int, ...] | None = None
-
-    @classmethod
-    def from_env(cls, environ=None) -> "Settings":
-        """Settings from LOOKUP_DECODE_CONFIG (a JSON object) and LOOKUP_DECODE_* variables."""
-        environ = os.environ if environ is None else environ
-        raw: dict = {}
-        path = environ.get(ENV_PREFIX + "CONFIG")
-        if path:
-            try:
-                raw = json.loads(Path(path).read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{ENV_PREFIX}CONFIG={path}: cannot read a JSON settings file ({e})") from None
-            if not isinstance(raw, dict):
-                raise ValueError(f"{ENV_PREFIX}CONFIG={path}: expected a JSON object, got {type(raw).__name__}")
-        names = {f.name: f for f in fields(cls)}
-        unknown = set(raw) - set(names)
-        if unknown:
-            raise ValueError(f"{ENV_PREFIX}CONFIG={path}: unknown settings {sorted(unknown)}; known: {sorted(names)}")
-        values = dict(raw)
-        for name in names:
-            if ENV_PREFIX + name.upper() in environ:
-                values[name] = environ[ENV_PREFIX + name.upper()]
-        return cls(**{name: _parse(name, value) for name, value in values.items()})
-
-    def __post_init__(self):
-        if self.k is not None:
-            check_k(self.k)
-        check_match(self.min_match, self.max_match)
-        for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
-        if self.reload_every < 0:
-            raise ValueError(f"{ENV_PREFIX}RELOAD_EVERY must be >= 0, got {self.reload_every}")
-        if not self.draft_cost >= 0:
-            raise ValueError(f"{ENV_PREFIX}DRAFT_COST must be >= 0, got {self.draft_cost}")
+@dataclass
+class DrafterStats:
+    """Counters of one LookupDrafter (sums since construction)."""
+    steps: int = 0                     # propose() calls
+    rows: int = 0                      # rows that asked for a draft (non-empty sampled tokens)
+    drafted: int = 0                   # draft tokens returned
+    accepted: int = 0                  # of the full proposals, tokens the engine then emitted (kept)
+    built: int = 0                     # requests indexed from their whole row (new, or dropped before)
+    extended: int = 0                  # rows recognised and extended by their new tokens only
+    continued: int = 0                 # rows whose request had missed steps (vLLM skipped the drafter)
+    resumed: int = 0                   # rebuilt requests whose prompt length came back (preempted and recomputed)
+    retired: int = 0                   # requests dropped after idle_steps absent
+    evicted: int = 0                   # requests dropped for the byte bound
+    refused: int = 0                   # rows left without an index for the byte bound
+    stored: int = 0                    # outputs stored into the memory
+    errors: int = 0                    # calls that failed (logged once; those steps drafted nothing)
+    propose_s: float = 0.0             # time inside propose
+    sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source
 
 
-def _parse(name: str, value):
-    """A setting from a string (environment) or a JSON value, to its field's type; ValueError naming it."""
-    try:
-        if name in ("memory", "memory_save", "references"):
-            return None if value in (None, "") else str(value)
-        if name == "eos":
-            if value in (None, ""):
-                return None
-            items = value.split(",") if isinstance(value, str) else value
-            return tuple(int(v) for v in items)
-        if name == "draft_cost":
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return float(value)
-        if name == "k" and value in (None, ""):
-            return None
-        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
-            raise ValueError(value)
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}: cannot read {value!r} as a {name} setting") from None
+def _numpy(array) -> np.ndarray:
+    return array.numpy() if hasattr(array, "numpy") else np.asarray(array)
 
 
 def _vocab_size(vllm_config) -> int | None:
@@ -164,65 +92,33 @@ def _vocab_size(vllm_config) -> int | None:
     return None
 
 
-def _eos_ids(vllm_config) -> tuple[int, ...]:
-    return tuple(eos_ids(getattr(getattr(vllm_config, "model_config", None), "hf_config", None)))
+def _ranks(vllm_config) -> tuple[int, int, int]:
+    """(tensor-parallel rank, data-parallel rank, data-parallel size) of this drafter's worker."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        tp_rank = int(get_tensor_model_parallel_rank())
+    except Exception:                                   # noqa: BLE001  (no process group: one rank)
+        tp_rank = 0
+    return tp_rank, dp_rank, dp_size
 
 
-def fingerprints(token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """uint64 [r]: a fingerprint of token_ids[rows[j], :lengths[j]] for each j, from O(1) tokens per row.
-
-    It hashes the length, the first 8 and last 16 tokens and 8 tokens at evenly spaced positions, so
-    rows that differ in length or at any of those positions get different fingerprints (with
-    probability ~1 - 2**-64). Example: the rows [5, 6, 7] and [5, 6, 7, 8] at length 3 are equal.
-    """
-    lengths = lengths.astype(np.int64)
-    head = np.arange(_HEAD)[None, :]
-    tail = lengths[:, None] - _TAIL + np.arange(_TAIL)[None, :]
-    spread = (lengths[:, None] * np.arange(1, _SPREAD + 1)[None, :]) // (_SPREAD + 1)
-    pos = np.concatenate([np.broadcast_to(head, (len(rows), _HEAD)), tail, spread], axis=1)
-    inside = (pos >= 0) & (pos < lengths[:, None])
-    pos = np.clip(pos, 0, None)
-    toks = token_ids[rows[:, None], pos].astype(np.uint64) + np.uint64(1)
-    toks = np.where(inside, toks, np.uint64(0))                 # positions past a short row count as 0
-    with np.errstate(over="ignore"):
-        return (toks * _MULT[:-1]).sum(axis=1, dtype=np.uint64) + lengths.astype(np.uint64) * _MULT[-1]
-
-
-@dataclass
-class RequestState:
-    """One live request: its drafter, its policy, and what the next step needs to learn."""
-    drafter: object                    # SuffixIndex, or SourcesProposer around it
-    index: SuffixIndex                 # the request's own index (for its length and bytes)
-    sources: SourcesProposer | None    # the drafter when it also drafts from corpora (its per-source counts)
-    policy: DraftPolicy
-    prompt_len: int | None             # known when first seen right after its prefill (one sampled token)
-    last_seen: int = 0                 # drafter step counter when this request was last in the batch
-    full: Draft | None = None          # the whole proposal of the previous step (the policy learns from it)
-    nbytes: int = 0
-    grows_at: int = 0                  # index length past which its buffers may grow (bytes re-read)
-
-
-@dataclass
-class DrafterStats:
-    """Counters of one LookupDrafter (sums since construction)."""
-    steps: int = 0                     # propose() calls
-    rows: int = 0                      # rows that asked for a draft (non-empty sampled tokens)
-    drafted: int = 0                   # draft tokens returned
-    accepted: int = 0                  # of those, kept by the engine (seen in the next step's tokens)
-    built: int = 0                     # states built from a whole row (new or forgotten requests)
-    extended: int = 0                  # rows recognised and extended by their new tokens only
-    retired: int = 0                   # states dropped after idle_steps absent
-    evicted: int = 0                   # states dropped for the byte bound
-    refused: int = 0                   # rows left without an index for the byte bound
-    stored: int = 0                    # outputs stored into the memory
-    sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source (with corpora)
+def _memory_files(value: str | None) -> list[str]:
+    """The memory files of a setting: os.pathsep-separated paths, glob patterns expanded (sorted)."""
+    files = []
+    for p in (value or "").split(os.pathsep):
+        if p:
+            files += sorted(glob.glob(p)) if glob.has_magic(p) else [p]
+    return files
 
 
 class LookupDrafter:
     """vLLM `custom_class` drafter: lookup_decode's drafts for every row of vLLM's persistent batch.
 
-    Constructed by vLLM as `LookupDrafter(vllm_config)`; settings from the environment (`Settings`).
-    Tests and benchmarks may build one with `LookupDrafter.from_settings(settings, k=..., ...)`.
+    Constructed by vLLM as `LookupDrafter(vllm_config)`. Tests and benchmarks may build one with
+    `LookupDrafter.from_settings(settings, k, ...)`.
     """
 
     def __init__(self, vllm_config):
@@ -230,10 +126,15 @@ class LookupDrafter:
         if spec is None or getattr(spec, "num_speculative_tokens", None) is None:
             raise ValueError("LookupDrafter needs vllm_config.speculative_config.num_speculative_tokens")
         model_config = getattr(vllm_config, "model_config", None)
-        settings = Settings.from_env()
-        eos = settings.eos if settings.eos is not None else _eos_ids(vllm_config)
+        settings = Settings.from_sources(getattr(vllm_config, "additional_config", None))
+        eos = settings.eos if settings.eos is not None else eos_ids(getattr(model_config, "hf_config", None))
+        tp_rank, dp_rank, dp_size = _ranks(vllm_config)
         self._setup(settings, spec.num_speculative_tokens, getattr(model_config, "max_model_len", None),
-                    _vocab_size(vllm_config), eos, tokenizer_name=getattr(model_config, "tokenizer", None))
+                    _vocab_size(vllm_config), eos, tokenizer_name=getattr(model_config, "tokenizer", None),
+                    saves=tp_rank == 0, replica=(dp_rank, dp_size))
+        # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
+        # sent, that would make sampled requests worse than without them.
+        cpu_fix.apply()
 
     @classmethod
     def from_settings(cls, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
@@ -246,8 +147,9 @@ class LookupDrafter:
                     memory=memory, references=references, tokenizer=tokenizer)
         return self
 
-    def _setup(self, settings: Settings, num_speculative_tokens, max_model_len, vocab_size, eos, *,
-               memory=None, references=None, tokenizer=None, tokenizer_name=None) -> None:
+    def _setup(self, settings: Settings, num_speculative_tokens, max_model_len, vocab_size, eos, *, memory=None,
+               references=None, tokenizer=None, tokenizer_name=None, saves: bool = True,
+               replica: tuple[int, int] = (0, 1)) -> None:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, (int, np.integer)) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1 for lookup_decode's drafter, "
@@ -257,28 +159,38 @@ class LookupDrafter:
         if self.k < 1:
             raise ValueError(f"{ENV_PREFIX}K must be >= 1, got {settings.k}")
         self.max_model_len = max_model_len
-        self.eos = tuple(eos)
-        # The policy's price of a step drafting d tokens, relative to one without drafts: linear. A flat
-        # price (draft_cost 0) makes the longest draft best whatever was learned (E[emitted | d] grows with
-        # d), which is the policy without a cost: it skips the per-width pricing.
-        self.cost = (CostCurve([1, self.k + 1], [1.0, 1.0 + settings.draft_cost * self.k], self.k + 1)
-                     if settings.draft_cost > 0 else None)
+        self.eos = tuple(int(e) for e in eos)
         self.vocab_size = vocab_size
-        self.memory = memory if memory is not None else _load_memory(settings, vocab_size)
-        self.references = references if references is not None else _load_references(
-            settings, vocab_size, tokenizer, tokenizer_name)
-        self.corpora = [(name, c) for name, c in ((MEMORY, self.memory), (REFERENCES, self.references))
-                        if c is not None]
-        for name, corpus in self.corpora:       # a foreign memory file fails here, not while serving
+        # Tensor-parallel ranks hold the same memory: one writes it. Data-parallel replicas write their own files.
+        self.saves = saves
+        self.memory_save = replica_path(settings.memory_save, *replica)
+        self.memory = memory if memory is not None else self._load_memory()
+        self.references = references if references is not None else self._load_references(tokenizer, tokenizer_name)
+        self.corpora = [c for c in (self.memory, self.references) if c is not None]
+        self._names = [REQUEST] + [MEMORY if c is self.memory else REFERENCES for c in self.corpora]
+        for corpus in self.corpora:                 # a foreign memory file fails here, not while serving
             if vocab_size is not None:
                 corpus.check_vocab(vocab_size, "the engine's model")
+        self.cost = StepCost(settings.draft_cost)
+        self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self.stats = DrafterStats()
-        self._states: dict[int, list[RequestState]] = {}    # fingerprint -> states (equal rows share one)
-        self._index_bytes = 0
-        self._step = 0
         self._unsaved = 0
+        self._logged = False
+        self._fresh()
+        if self.memory is not None and self.memory_save and self.saves:
+            atexit.register(_flush_at_exit, weakref.ref(self))
 
-    # -- the vLLM contract ---------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        """No request known (at start, and after a failed call: the table may be half updated)."""
+        self.pool = IndexPool(self.k, min_match=self.settings.min_match, max_match=self.settings.max_match,
+                              eos_token_ids=self.eos)
+        # A step the drafter missed added one token per row (vLLM then schedules zeros as drafts, rarely kept);
+        # a few such steps in a row are followed, anything longer is another request.
+        self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
+        self._call = 0
+        self._last = None                           # when the last call started
+
+    # -- the vLLM contract ----------------------------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
         """One draft per row of the batch (list of int, [] for none).
 
@@ -287,159 +199,173 @@ class LookupDrafter:
         token_ids_cpu: int [>= rows, max_model_len] (numpy or torch), row i's tokens in its first
             num_tokens_no_spec[i] columns. slot_mappings: unused (no model).
         """
-        self._step += 1
+        start, t = self.clock(), time.perf_counter()
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
+        except Exception:                           # noqa: BLE001  (a drafter failure must never stop the engine)
+            self.stats.errors += 1
+            if not self._logged:
+                log.exception("lookup_decode: the drafter failed; this step drafts nothing and the drafter starts "
+                              "afresh (later failures are only counted: drafter.stats.errors)")
+                self._logged = True
+            self._fresh()
+            return [[] for _ in sampled_token_ids]
+        finally:
+            self.stats.propose_s += time.perf_counter() - t
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM calls this with the target model after building the drafter; there is no model to load."""
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float) -> list[list[int]]:
+        self._call += 1
         self.stats.steps += 1
         B = len(sampled_token_ids)
+        matrix = _numpy(token_ids_cpu)
+        if matrix.dtype != np.int32 or not matrix.flags.c_contiguous:
+            matrix = np.ascontiguousarray(matrix, np.int32)
         counts = _numpy(num_tokens_no_spec)[:B].astype(np.int64)
-        tokens = _numpy(token_ids_cpu)
-        emitted_n = np.fromiter((len(s) for s in sampled_token_ids), np.int64, count=B)
-        rows = np.flatnonzero(emitted_n > 0)
+        emitted = np.fromiter(map(len, sampled_token_ids), np.int64, count=B)
+        rows = np.flatnonzero(emitted > 0)
         if self.max_model_len is not None:
             rows = rows[counts[rows] < self.max_model_len]
-        before = fingerprints(tokens, rows, counts[rows] - emitted_n[rows])
-        after = fingerprints(tokens, rows, counts[rows])
+        claim = self.requests.claim(matrix, rows, counts[rows], emitted[rows], self._call, self._admit)
+        if self._last is not None and claim.built == claim.continued == 0 and emitted.all() and len(rows):
+            # A step of decoding rows only, right after the previous call: its time is that step's cost, and it
+            # verified each row's token and the draft it was sent (rows that finished before it are not here).
+            self.cost.observe(len(rows) + int(self.requests.sent[claim.slots].sum()), now - self._last)
+        placed = self._within_bound(claim, counts[rows])
+        rows, slots = rows[placed], claim.slots[placed]
+        ends = counts[rows]
+        limits = np.full(len(rows), self.k, np.int64)
+        if self.max_model_len is not None:
+            limits = np.minimum(limits, self.max_model_len - ends - 1)
+        with contextlib.ExitStack() as held:        # the corpora stay unchanged while the pool reads them
+            step = self.pool.step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0),
+                                  claim.learn[placed], [held.enter_context(c.reading()) for c in self.corpora])
+        self.requests.file(matrix, rows, slots, ends, self._call)
+        self._learned(step)
+        if self.settings.adaptive:
+            lengths = ragged_lengths(step.p_kept, step.lengths, self.cost.token_cost)
+        else:
+            lengths = ragged_lengths(step.p_kept, step.lengths, self.settings.draft_cost) if self.settings.draft_cost \
+                else step.lengths
         drafts: list[list[int]] = [[] for _ in range(B)]
-        for j, i in enumerate(rows.tolist()):
-            state = self._claim(int(before[j]), sampled_token_ids[i], tokens[i], int(counts[i]))
-            if state is None:
-                continue
-            state.last_seen = self._step
-            self._states.setdefault(int(after[j]), []).append(state)
-            limit = self.k if self.max_model_len is None else min(self.k, self.max_model_len - int(counts[i]) - 1)
-            if limit <= 0:
-                state.full = None
-                continue
-            full = state.drafter.propose(limit)
-            n = state.policy.choose([full]) - 1
-            state.full = full
-            drafts[i] = (full.tokens if n >= len(full) else full.cut(n).tokens).tolist()
-            self.stats.drafted += len(drafts[i])
-        self.stats.rows += len(rows)
-        self._retire_idle()
-        if self.settings.reload_every and self._step % self.settings.reload_every == 0:
+        for i, tokens, n in zip(rows.tolist(), step.tokens.tolist(), lengths.tolist()):
+            drafts[i] = tokens[:n]
+        s = self.stats
+        s.rows += len(rows)
+        s.drafted += int(lengths.sum())
+        s.built += claim.built
+        s.continued += claim.continued
+        s.resumed += claim.resumed
+        s.extended += len(rows) - claim.built - claim.continued
+        s.refused += int((claim.slots < 0).sum())
+        self.requests.sent[slots] = lengths
+        self._last = now
+        self._retire(self._call - self.settings.idle_steps, "retired")
+        if self.settings.reload_every and self._call % self.settings.reload_every == 0:
             self.reload_memory()
         return drafts
 
-    def load_model(self, *args, **kwargs) -> None:
-        """vLLM calls this after building the drafter; there is no model to load."""
-
-    # -- requests ------------------------------------------------------------------------------------
-    def _claim(self, key: int, emitted, row: np.ndarray, n: int) -> RequestState | None:
-        """The state of the request in this row, extended by its new tokens; built if unknown."""
-        waiting = self._states.get(key)
-        if waiting:
-            state = waiting.pop()
-            if not waiting:
-                del self._states[key]
-            new = np.asarray(emitted, dtype=np.int32)
-            if state.full is not None:
-                if self.cost is not None:       # without a cost the policy never reads what it learns
-                    state.policy.observe(state.full, new)
-                if len(state.full):
-                    self.stats.accepted += kept_prefix(state.full.chain, new)
-            if state.sources is not None:
-                before = Counter(state.sources.accepted_from)
-                state.drafter.extend(new)
-                self.stats.sources.update(state.sources.accepted_from - before)
-            else:
-                state.drafter.extend(new)
-            if len(state.index) > state.grows_at:
-                self._account(state)
-                if self._index_bytes > self.settings.max_index_bytes:
-                    # Its buffers doubled past the bound: older states go first, else this one does
-                    # (its row drafts nothing until an index fits again).
-                    self._evict(self.settings.max_index_bytes)
-                    if self._index_bytes > self.settings.max_index_bytes:
-                        self._index_bytes -= state.nbytes
-                        self.stats.evicted += 1
-                        self._remember(state)
-                        return None
-            self.stats.extended += 1
-            return state
-        return self._build(row[:n], n - len(emitted) if len(emitted) == 1 else None)
-
-    def _build(self, tokens: np.ndarray, prompt_len: int | None) -> RequestState | None:
-        estimate = SuffixIndex.bytes_for(len(tokens))
-        if self._index_bytes + estimate > self.settings.max_index_bytes:
-            self._evict(self.settings.max_index_bytes - estimate)
-            if self._index_bytes + estimate > self.settings.max_index_bytes:
-                self.stats.refused += 1
-                return None
-        index = SuffixIndex(min_match=self.settings.min_match, max_match=self.settings.max_match,
-                            eos_token_ids=self.eos)
-        sources = None
-        if self.corpora:
-            sources = SourcesProposer(index, self.corpora, min_match=self.settings.min_match,
-                                      max_match=self.settings.max_match, eos_token_ids=self.eos)
-        drafter = sources if sources is not None else index
-        drafter.extend(tokens)
-        state = RequestState(drafter, index, sources, DraftPolicy(self.k, self.cost), prompt_len)
-        self._account(state)
-        self.stats.built += 1
-        return state
-
-    def _account(self, state: RequestState) -> None:
-        self._index_bytes -= state.nbytes
-        state.nbytes = state.index.nbytes()
-        self._index_bytes += state.nbytes
-        # The buffers double when the text outgrows them; until then the bytes cannot change.
-        state.grows_at = max(1024, 1 << max(len(state.index) - 1, 1).bit_length())
-
-    def _retire_idle(self) -> None:
-        idle = self._step - self.settings.idle_steps
-        if any(s.last_seen <= idle for states in self._states.values() for s in states):
-            self._drop(lambda s: s.last_seen <= idle, "retired")
-
-    def _evict(self, budget: int) -> None:
-        """Drop states not seen in this step, least recently seen first, until at most `budget` bytes remain."""
-        old = sorted((s for states in self._states.values() for s in states if s.last_seen < self._step),
-                     key=lambda s: s.last_seen)
-        gone, held = set(), self._index_bytes
-        for s in old:
-            if held <= budget:
-                break
-            gone.add(id(s))
-            held -= s.nbytes
-        if gone:
-            self._drop(lambda s: id(s) in gone, "evicted")
-
-    def _drop(self, which, counter: str) -> None:
-        for key in list(self._states):
-            keep = []
-            for s in self._states[key]:
-                if which(s):
-                    self._index_bytes -= s.nbytes
-                    setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-                    self._remember(s)
-                else:
-                    keep.append(s)
-            if keep:
-                self._states[key] = keep
-            else:
-                del self._states[key]
-
-    def _remember(self, state: RequestState) -> None:
-        """A request left: its output goes to the memory, as `generate` stores outputs when it returns."""
-        if self.memory is None or state.prompt_len is None:
+    def _learned(self, step) -> None:
+        """What the engine kept of the last drafts: statistics, and credit to the corpus entries drafted from."""
+        kept = np.maximum(step.kept, 0)
+        self.stats.accepted += int(kept.sum())
+        if not kept.any():
             return
-        tokens = state.index.tokens
-        self.memory.remember(tokens[: state.prompt_len], tokens[state.prompt_len:])
+        for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(self._names))):
+            if n:
+                self.stats.sources[self._names[src]] += int(n)
+        for i in np.flatnonzero((step.credit[:, 0] > 0) & (kept > 0)).tolist():
+            src, version, position = step.credit[i].tolist()
+            self.corpora[src - 1].credit(version, position, int(kept[i]))
+
+    # -- requests leaving -----------------------------------------------------------------------------
+    def _admit(self, n_tokens: int) -> bool:
+        """Whether a new index over n_tokens fits the byte bound, evicting requests not seen in this call."""
+        need = SuffixIndex.bytes_for(n_tokens)
+        if self.index_bytes + need > self.settings.max_index_bytes:
+            for s in self.requests.idle(self._call - 1):
+                self._drop(s, "evicted")
+                if self.index_bytes + need <= self.settings.max_index_bytes:
+                    break
+        if self.index_bytes + need > self.settings.max_index_bytes:
+            return False
+        return True
+
+    def _within_bound(self, claim, counts: np.ndarray) -> np.ndarray:
+        """bool [r]: the rows whose index may take this call's tokens. Indexes that would grow past the byte bound
+        make the requests not seen in this call go first (least recently seen first); if that is not enough, the
+        growing requests themselves are dropped (the largest growth first): their rows draft nothing until an
+        index fits again."""
+        placed = claim.slots >= 0
+        growth = np.zeros(len(placed), np.int64)
+        growth[placed] = self.pool.growth(claim.slots[placed], counts[placed] - claim.starts[placed])
+        bound = self.settings.max_index_bytes
+        if self.index_bytes + growth.sum() <= bound:
+            return placed
+        for s in self.requests.idle(self._call - 1):
+            self._drop(s, "evicted")
+            if self.index_bytes + growth.sum() <= bound:
+                return placed
+        for j in np.argsort(-growth, kind="stable"):
+            if growth[j] == 0 or self.index_bytes + growth.sum() <= bound:
+                break
+            self._drop(int(claim.slots[j]), "evicted")
+            placed[j], growth[j] = False, 0
+        return placed
+
+    def _retire(self, before: int, counter: str) -> None:
+        for s in self.requests.idle(before):
+            self._drop(s, counter)
+
+    def _drop(self, s: int, counter: str) -> None:
+        tokens, prompt = self.requests.drop(s)
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        if self.memory is None or prompt < 0:
+            return                                  # an unknown prompt length could store prompt as output
+        # A request left: its output goes to the memory, as `generate` stores outputs when it returns.
+        self.memory.remember(tokens[:prompt], tokens[prompt:])
         self.stats.stored += 1
         self._unsaved += 1
-        if self.settings.memory_save and self._unsaved >= self.settings.save_every:
+        if self.memory_save and self.saves and self._unsaved >= self.settings.save_every:
             self.save_memory()
 
-    # -- sharing -------------------------------------------------------------------------------------
+    # -- memory and references ------------------------------------------------------------------------
+    def _load_memory(self) -> Memory | None:
+        """The memory to draft from: the files in settings.memory merged (memory_save may not exist yet), or
+        None when neither is set. Unreadable files raise here, when the engine builds the drafter."""
+        s = self.settings
+        if not s.memory and not s.memory_save:
+            return None
+        try:
+            return load_memory(_memory_files(s.memory), max_tokens=s.memory_tokens, vocab_size=self.vocab_size,
+                               missing_ok=[self.memory_save] if self.memory_save else [])
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{ENV_PREFIX}MEMORY: {e}") from None
+
+    def _load_references(self, tokenizer, tokenizer_name) -> References | None:
+        path = self.settings.references
+        if not path:
+            return None
+        if tokenizer is None and tokenizer_name is not None and Path(path).suffix != ".npz":
+            from transformers import AutoTokenizer  # text files are tokenized with the engine's tokenizer
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+        try:
+            return load_references(path, tokenizer=tokenizer, vocab_size=self.vocab_size)
+        except (FileNotFoundError, ValueError) as e:
+            raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
+
     def flush(self) -> None:
-        """Retire every request absent from the latest step (their outputs enter the memory), then save
-        the memory if `memory_save` is set. For shutdown, and for benchmarks between turns."""
-        self._drop(lambda s: s.last_seen < self._step, "retired")
-        if self.settings.memory_save and self.memory is not None:
+        """Retire every request absent from the latest call (their outputs enter the memory), then save the memory
+        if `memory_save` is set. For shutdown, and for benchmarks between turns."""
+        self._retire(self._call - 1, "retired")
+        if self.memory_save and self.memory is not None and self.saves:
             self.save_memory()
 
     def save_memory(self, path=None) -> None:
         """Write the memory to `path` (default: the memory_save setting) for other replicas to load."""
-        path = path if path is not None else self.settings.memory_save
+        path = path if path is not None else self.memory_save
         if self.memory is None or path is None:
             raise ValueError("no memory to save (set LOOKUP_DECODE_MEMORY_SAVE or LOOKUP_DECODE_MEMORY_TOKENS "
                              "with a memory file)" if self.memory is None else "save_memory needs a path")
@@ -451,46 +377,28 @@ class LookupDrafter:
         Files are whole (written by atomic replace), so a replica never reads one half-written."""
         if self.memory is None:
             return 0
-        paths = [p for p in _paths(self.settings.memory) if Path(p).is_file()]
+        paths = [p for p in _memory_files(self.settings.memory) if Path(p).is_file()]
         return self.memory.merge(load_memory(paths, max_tokens=self.settings.memory_tokens, vocab_size=self.vocab_size))
 
     @property
     def live_requests(self) -> int:
-        return sum(len(states) for states in self._states.values())
+        return len(self.requests.live)
 
     @property
     def index_bytes(self) -> int:
         """Bytes held by the per-request indexes now (bounded by max_index_bytes)."""
-        return self._index_bytes
+        live = np.fromiter(self.requests.live, np.int64, count=len(self.requests.live))
+        return int(self.pool.nbytes(live).sum())
 
 
-def _numpy(array) -> np.ndarray:
-    return array.numpy() if hasattr(array, "numpy") else np.asarray(array)
-
-
-def _paths(value: str | None) -> list[str]:
-    return [p for p in (value or "").split(os.pathsep) if p]
-
-
-def _load_memory(settings: Settings, vocab_size: int | None) -> Memory | None:
-    """The memory to draft from: the files in settings.memory merged (memory_save may not exist yet), or
-    None when neither is set. Unreadable files raise here, when the engine builds the drafter."""
-    if not settings.memory and not settings.memory_save:
-        return None
+def _flush_at_exit(ref) -> None:
+    """At interpreter exit (vLLM calls nothing on a drafter at shutdown): store the live requests' outputs and
+    save the memory. Never raises: an exit must not fail for it."""
+    drafter = ref()
+    if drafter is None:
+        return
     try:
-        return load_memory(_paths(settings.memory), max_tokens=settings.memory_tokens, vocab_size=vocab_size,
-                           missing_ok=[settings.memory_save] if settings.memory_save else [])
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{ENV_PREFIX}MEMORY: {e}") from None
-
-
-def _load_references(settings: Settings, vocab_size: int | None, tokenizer, tokenizer_name) -> References | None:
-    if not settings.references:
-        return None
-    if tokenizer is None and tokenizer_name is not None and Path(settings.references).suffix != ".npz":
-        from transformers import AutoTokenizer  # text files are tokenized with the engine's tokenizer
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    try:
-        return load_references(settings.references, tokenizer=tokenizer, vocab_size=vocab_size)
-    except (FileNotFoundError, ValueError) as e:
-        raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
+        drafter._retire(drafter._call, "retired")
+        drafter.save_memory()
+    except Exception:                               # noqa: BLE001
+        log.exception("lookup_decode: saving the memory at exit failed")

@@ -1,0 +1,225 @@
+"""Following vLLM's requests across its persistent batch by content: which pool slot holds each row's request.
+
+vLLM hands the drafter a token matrix, not request ids, and rows move (a finished request's row is filled
+with the last one; preempted and unscheduled requests leave and come back elsewhere). A live request is
+recognised by a fingerprint of its row (`fingerprints`: O(1) tokens per row) before this step's tokens, which
+must equal the fingerprint its slot was filed under after the previous call. What the fast path cannot place:
+
+* a step the drafter did not see (vLLM skips the drafter for the whole batch when any row is within k tokens
+  of max_model_len, and preemption can hide a request): a live slot whose text is a prefix of the row, a few
+  steps' tokens short of it (at most `max_gap`), takes the row and is extended by the missing tokens, learning
+  nothing from them (it never saw what it had drafted for them). A slot whose text ends with EOS is finished
+  and never continued (a chat's next turn starts with the whole previous one);
+* a request whose slot was dropped (retired while preempted or unscheduled, evicted): a record of each dropped
+  request gives its prompt length back if the row continues it by this step's sampled tokens, as a recomputed
+  request does;
+* a new request: a fresh slot, indexed from the whole row. Its prompt is the row minus the one sampled token,
+  unless this call saw a skipped step (then the prompt length is unknown and its output is never stored).
+
+A mistaken recognition (two requests agreeing on every sampled position) can only cost draft quality: vLLM
+verifies every draft, so the output never depends on the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from lookup_decode.core.pool import IndexPool
+
+# Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
+# requests that share a long template at both ends (same system prompt, same closing question).
+_HEAD, _TAIL, _SPREAD = 8, 16, 8
+_MULT = np.random.default_rng(20250514).integers(1, 2**63, size=_HEAD + _TAIL + _SPREAD + 1, dtype=np.uint64) | 1
+DROPPED_KEPT = 4096                # dropped requests remembered for their prompt lengths
+
+
+@njit(cache=True, nogil=True)
+def _fingerprints(matrix, rows, lengths, mult, out):
+    for j in range(rows.shape[0]):
+        n, row = lengths[j], rows[j]
+        h = np.uint64(0)
+        for i in range(_HEAD + _TAIL + _SPREAD):
+            if i < _HEAD:
+                pos = i
+            elif i < _HEAD + _TAIL:
+                pos = n - _TAIL + (i - _HEAD)
+            else:
+                pos = (n * (i - _HEAD - _TAIL + 1)) // (_SPREAD + 1)
+            if 0 <= pos < n:
+                h += (np.uint64(matrix[row, pos]) + np.uint64(1)) * mult[i]
+        out[j] = h + np.uint64(n) * mult[-1]
+
+
+def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
+    """uint64 [r]: a fingerprint of token_ids[rows[j], :lengths[j]] for each j, from O(1) tokens per row.
+
+    It hashes the length, the first 8 and last 16 tokens and 8 tokens at evenly spaced positions, so
+    rows that differ in length or at any of those positions get different fingerprints (with
+    probability ~1 - 2**-64). Example: the rows [5, 6, 7] and [5, 6, 7, 8] at length 3 are equal.
+    """
+    rows, lengths = np.asarray(rows, np.int64), np.asarray(lengths, np.int64)
+    out = np.zeros(len(rows), np.uint64)
+    _fingerprints(token_ids, rows, lengths, _MULT, out)
+    return out
+
+
+@dataclass
+class Claim:
+    """Where each row's request lives (arrays indexed like the rows of the call)."""
+    slots: np.ndarray          # int64 [r]: its pool slot (-1: none, the byte bound refused one)
+    starts: np.ndarray         # int64 [r]: tokens its slot already indexed (the row's new tokens start there)
+    learn: np.ndarray          # bool [r]: the new tokens are what the engine emitted after the slot's last draft
+    built: int = 0             # rows given a fresh slot
+    continued: int = 0         # rows whose slot had missed steps (prefix match)
+    resumed: int = 0           # fresh slots whose prompt length came from a dropped request
+
+
+class RequestTable:
+    """The slots of an `IndexPool` keyed by their rows' fingerprints, with each request's bookkeeping."""
+
+    def __init__(self, pool: IndexPool, *, max_gap: int, eos_token_ids=()):
+        self.pool = pool
+        self.max_gap = int(max_gap)
+        self.eos = np.asarray(list(eos_token_ids), np.int64)
+        self.table: dict[int, int] = {}         # fingerprint -> slot
+        self.twins: dict[int, list[int]] = {}   # more slots under one fingerprint (requests with equal rows)
+        self.live: set[int] = set()
+        n = 64
+        self.fp = np.zeros(n, np.uint64)        # the fingerprint each slot is filed under
+        self.last_seen = np.zeros(n, np.int64)  # the call that last saw it
+        self.prompt_len = np.full(n, -1, np.int64)
+        self.sent = np.zeros(n, np.int64)       # draft tokens sent to the slot's row at its last call
+        # Dropped requests: (length, fingerprint at it, prompt length), a ring.
+        self.dropped = np.zeros((DROPPED_KEPT, 3), np.int64)
+        self.dropped_fp = np.zeros(DROPPED_KEPT, np.uint64)
+        self.dropped_n = 0
+
+    def _room(self, s: int) -> None:
+        if s >= len(self.fp):
+            n = 2 * max(s + 1, len(self.fp))
+            self.fp = np.concatenate([self.fp, np.zeros(n - len(self.fp), np.uint64)])
+            self.last_seen = np.concatenate([self.last_seen, np.zeros(n - len(self.last_seen), np.int64)])
+            self.prompt_len = np.concatenate([self.prompt_len, np.full(n - len(self.prompt_len), -1, np.int64)])
+            self.sent = np.concatenate([self.sent, np.zeros(n - len(self.sent), np.int64)])
+
+    # -- the fingerprint table ------------------------------------------------------------------------
+    def _pop(self, fp: int) -> int:
+        s = self.table.pop(fp, -1)
+        if s >= 0 and fp in self.twins:
+            self.table[fp] = self.twins[fp].pop()
+            if not self.twins[fp]:
+                del self.twins[fp]
+        return s
+
+    def _unfile(self, s: int) -> None:
+        fp = int(self.fp[s])
+        if self.table.get(fp) == s:
+            self._pop(fp)
+        elif s in self.twins.get(fp, ()):
+            self.twins[fp].remove(s)
+            if not self.twins[fp]:
+                del self.twins[fp]
+
+    def file(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, counts: np.ndarray, call: int) -> None:
+        """File each slot under its row's fingerprint after this call's tokens (slot -1: skipped)."""
+        keep = slots >= 0
+        rows, slots, counts = rows[keep], slots[keep], counts[keep]
+        fps = fingerprints(matrix, rows, counts)
+        self.fp[slots] = fps
+        self.last_seen[slots] = call
+        table = self.table
+        for fp, s in zip(fps.tolist(), slots.tolist()):
+            other = table.setdefault(fp, s)
+            if other != s:
+                self.twins.setdefault(fp, []).append(s)
+
+    # -- placing rows ---------------------------------------------------------------------------------
+    def claim(self, matrix: np.ndarray, rows: np.ndarray, counts: np.ndarray, emitted: np.ndarray, call: int,
+              admit) -> Claim:
+        """The slot of each row's request (`rows`: rows with sampled tokens; counts, emitted: their token counts
+        and this step's sampled tokens; call: this call's number). admit(n_tokens) -> bool says whether a fresh
+        slot for a row of n_tokens fits the byte bound (it may evict slots not seen in this call); a row refused
+        gets slot -1."""
+        r = len(rows)
+        before = fingerprints(matrix, rows, counts - emitted)
+        slots = np.array([self._pop(fp) for fp in before.tolist()], np.int64) if r else np.zeros(0, np.int64)
+        self.last_seen[slots[slots >= 0]] = call        # seen now: never evicted to make room in this call
+        starts = np.where(slots >= 0, counts - emitted, 0)
+        learn = slots >= 0
+        claim = Claim(slots, starts, learn)
+        missing = np.flatnonzero(slots < 0)
+        if len(missing) == 0:
+            return claim
+        claimed = set(slots[slots >= 0].tolist())
+        # Live slots that missed steps: a prefix of the row, at most max_gap tokens short of it, not ended by EOS.
+        lengths = {s: int(self.pool.length([s])[0]) for s in self.live - claimed}
+        fresh = []
+        for j in missing.tolist():
+            s = self._prefix_of(matrix, int(rows[j]), int(counts[j]), lengths)
+            if s < 0:
+                fresh.append(j)
+                continue
+            self._unfile(s)
+            slots[j], starts[j] = s, lengths.pop(s)
+            self.last_seen[s] = call
+            claim.continued += 1
+        for j in fresh:
+            n = int(counts[j])
+            if not admit(n):
+                continue
+            s = self.pool.add(n)
+            self._room(s)
+            self.live.add(s)
+            prompt = n - 1 if emitted[j] == 1 and claim.continued == 0 else -1
+            resumed = self._dropped_prompt(matrix, int(rows[j]), n - int(emitted[j]))
+            if resumed >= 0:
+                prompt, claim.resumed = resumed, claim.resumed + 1
+            self.prompt_len[s] = prompt
+            self.last_seen[s] = call
+            slots[j], starts[j] = s, 0
+            claim.built += 1
+        return claim
+
+    def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:
+        cands = [s for s, n in lengths.items() if count - self.max_gap <= n < count]
+        if not cands:
+            return -1
+        cands = np.array(cands, np.int64)
+        n = np.array([lengths[s] for s in cands.tolist()], np.int64)
+        same = fingerprints(matrix, np.full(len(cands), row), n) == self.fp[cands]
+        for s, m in zip(cands[same].tolist(), n[same].tolist()):
+            if not (len(self.eos) and int(matrix[row, m - 1]) in self.eos):
+                return s
+        return -1
+
+    def _dropped_prompt(self, matrix, row: int, before: int) -> int:
+        """The prompt length of a dropped request whose text is this row's first `before` tokens (the row continues
+        it by this step's sampled tokens); -1: none."""
+        d = self.dropped[: min(self.dropped_n, DROPPED_KEPT)]
+        hit = np.flatnonzero(d[:, 0] == before)
+        if len(hit) == 0:
+            return -1
+        same = fingerprints(matrix, np.full(len(hit), row), d[hit, 0]) == self.dropped_fp[hit]
+        return int(d[hit[same][-1], 2]) if same.any() else -1
+
+    # -- leaving --------------------------------------------------------------------------------------
+    def drop(self, s: int) -> tuple[np.ndarray, int]:
+        """Free slot s; returns its text and prompt length (-1: unknown) for the caller to remember."""
+        tokens, prompt = self.pool.tokens(s), int(self.prompt_len[s])
+        self._unfile(s)
+        if prompt >= 0:
+            i = self.dropped_n % DROPPED_KEPT
+            self.dropped[i], self.dropped_fp[i] = (len(tokens), 0, prompt), self.fp[s]
+            self.dropped_n += 1
+        self.live.discard(s)
+        self.pool.remove(s)
+        return tokens, prompt
+
+    def idle(self, before: int) -> list[int]:
+        """Live slots last seen at a call <= `before`, least recently seen first."""
+        live = np.fromiter(self.live, np.int64, count=len(self.live))
+        old = live[self.last_seen[live] <= before]
+        return old[np.argsort(self.last_seen[old], kind="stable")].tolist()

@@ -1,0 +1,153 @@
+"""The vLLM drafter's settings: vLLM builds `LookupDrafter(vllm_config)` and passes it no options of its own.
+
+They come from three places, the first that names a setting winning:
+1. `additional_config={"lookup_decode": {...}}` of the engine (`LLM(..., additional_config=...)`, the server's
+   `--additional-config`): per engine, and shipped with the config to every worker, Ray's included;
+2. `LOOKUP_DECODE_<NAME>` environment variables (upper-case names);
+3. the JSON object in the file named by `LOOKUP_DECODE_CONFIG` (lower-case names).
+Every value is checked when the drafter is built: a bad one fails there, naming the setting, never while serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from lookup_decode.core.config import LookupConfig, check_k, check_match
+
+ENV_PREFIX = "LOOKUP_DECODE_"
+CONFIG_KEY = "lookup_decode"        # the key of additional_config the drafter reads
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The drafter's options.
+
+    k: most draft tokens per row and step (default and upper bound: vLLM's num_speculative_tokens).
+    min_match, max_match: as in `LookupConfig` (same defaults as the transformers path).
+    adaptive: send each row the draft tokens that pay for their place in the step (their probability of being
+        kept against what a token costs the step, learned from the time between the drafter's calls);
+        False: every token the index proposes, up to k (vLLM's n-gram proposer's rule).
+    draft_cost: what one more token costs a step, relative to the step's fixed part, before any step was
+        timed (adaptive: the prior of the learned cost; not adaptive: the price used; 0: tokens are free).
+    memory: memory file(s) to load at start (os.pathsep-separated; glob patterns allowed, e.g. every replica's
+        `/shared/mem-*.npz`), made by `Memory.save` or by another replica's `memory_save`.
+    memory_save: where this engine writes its memory (every `save_every` stored outputs, and when the process
+        exits). "{replica}" in it becomes the data-parallel rank; with several replicas and no "{replica}" the
+        rank is added before the suffix. With memory_save but no memory file yet, the memory starts empty.
+    memory_tokens: the memory's bound in tokens.
+    references: a `References.save` file, or a folder of them and of text files (tokenized with the
+        engine's tokenizer).
+    max_index_bytes: bound on the bytes of all per-request indexes together.
+    idle_steps: a request absent from the batch for this many steps is retired.
+    save_every: memory_save is written after this many outputs were stored.
+    reload_every: every this many steps, the memory files are read again and their new entries added
+        (what other replicas saved since); 0: only at start.
+    eos: token ids a draft never contains (default: the model config's eos_token_id).
+    """
+    k: int | None = None
+    min_match: int = LookupConfig.min_match
+    max_match: int = LookupConfig.max_match
+    adaptive: bool = True
+    draft_cost: float = 0.02
+    memory: str | None = None
+    memory_save: str | None = None
+    memory_tokens: int = 1_000_000
+    references: str | None = None
+    max_index_bytes: int = 4 * 2**30
+    idle_steps: int = 16
+    save_every: int = 64
+    reload_every: int = 0
+    eos: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_sources(cls, additional_config=None, environ=None) -> "Settings":
+        """Settings from an engine's additional_config, LOOKUP_DECODE_* variables and LOOKUP_DECODE_CONFIG."""
+        environ = os.environ if environ is None else environ
+        names = [f.name for f in fields(cls)]
+        values: dict = {}
+        path = environ.get(ENV_PREFIX + "CONFIG")
+        if path:
+            values.update(_read_object(Path(path).read_text(encoding="utf-8") if Path(path).is_file() else None,
+                                       f"{ENV_PREFIX}CONFIG={path}", names))
+        values.update({name: environ[ENV_PREFIX + name.upper()] for name in names if ENV_PREFIX + name.upper() in environ})
+        given = (additional_config or {}).get(CONFIG_KEY) if isinstance(additional_config, dict) else None
+        if given is not None:
+            values.update(_checked_keys(given, f"additional_config[{CONFIG_KEY!r}]", names))
+        return cls(**{name: _parse(name, value) for name, value in values.items()})
+
+    def __post_init__(self):
+        if self.k is not None:
+            check_k(self.k)
+        check_match(self.min_match, self.max_match)
+        for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
+        if self.reload_every < 0:
+            raise ValueError(f"{ENV_PREFIX}RELOAD_EVERY must be >= 0, got {self.reload_every}")
+        if not self.draft_cost >= 0:
+            raise ValueError(f"{ENV_PREFIX}DRAFT_COST must be >= 0, got {self.draft_cost}")
+
+
+def _read_object(text: str | None, where: str, names: list[str]) -> dict:
+    if text is None:
+        raise ValueError(f"{where}: no such settings file")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON settings file ({e})") from None
+    return _checked_keys(raw, where, names)
+
+
+def _checked_keys(raw, where: str, names: list[str]) -> dict:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object of settings, got {type(raw).__name__}")
+    unknown = set(raw) - set(names)
+    if unknown:
+        raise ValueError(f"{where}: unknown settings {sorted(unknown)}; known: {sorted(names)}")
+    return dict(raw)
+
+
+def _parse(name: str, value):
+    """A setting from a string (environment) or a JSON value, to its field's type; ValueError naming it."""
+    try:
+        if name in ("memory", "memory_save", "references"):
+            return None if value in (None, "") else str(value)
+        if name == "eos":
+            if value in (None, ""):
+                return None
+            items = value.split(",") if isinstance(value, str) else value
+            return tuple(int(v) for v in items)
+        if name == "adaptive":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+                return value.lower() in ("1", "true", "yes")
+            raise ValueError(value)
+        if name == "draft_cost":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if name == "k" and value in (None, ""):
+            return None
+        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}: cannot read {value!r} as a {name} setting") from None
+
+
+def replica_path(path: str | None, rank: int, replicas: int) -> str | None:
+    """memory_save for data-parallel replica `rank` of `replicas`: "{replica}" becomes the rank; with several
+    replicas and no placeholder the rank goes before the suffix (mem.npz -> mem-replica1.npz), so replicas that
+    share the settings never write one file. Example: replica_path("m-{replica}.npz", 2, 4) -> "m-2.npz"."""
+    if path is None:
+        return None
+    if "{replica}" in path:
+        return path.replace("{replica}", str(rank))
+    if replicas <= 1:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-replica{rank}{p.suffix}"))

@@ -1,0 +1,140 @@
+"""IndexPool: many requests stepped in one compiled call give the drafts, match lengths and acceptance counts of
+SuffixIndex + SourcesProposer + DraftPolicy on the same token streams (the reference), whatever the batch does."""
+
+import contextlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookup_decode.core.draft import kept_prefix
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.policy import DraftPolicy, ragged_lengths
+from lookup_decode.core.pool import IndexPool
+from lookup_decode.sources.memory import Memory, References
+from lookup_decode.sources.proposer import SourcesProposer
+
+EOS = (2,)
+
+
+def _streams(rng, n, vocab):
+    """Per request: prompt and the true continuation (copying spans of the prompt half the time)."""
+    out = []
+    for _ in range(n):
+        prompt = rng.integers(3, vocab, size=int(rng.integers(5, 80))).astype(np.int32)
+        pieces = []
+        while sum(map(len, pieces)) < 60:
+            if rng.random() < 0.6 and len(prompt) > 10:
+                a = int(rng.integers(0, len(prompt) - 6))
+                pieces.append(prompt[a: a + int(rng.integers(2, 12))])
+            else:
+                pieces.append(rng.integers(2, vocab, size=int(rng.integers(1, 4))).astype(np.int32))
+        out.append((prompt, np.concatenate(pieces)))
+    return out
+
+
+def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
+    """Drive the pool and the reference side by side; every step each row emits the kept prefix of its full
+    draft plus one true token (as a verifier with that truth would); rows join and leave over time."""
+    rng = np.random.default_rng(seed)
+    reqs = _streams(rng, 12, vocab)
+    if growth:                                   # long prompts: slots outgrow their first room, arenas compact
+        reqs = [(np.tile(p, 60)[:3000], o) for p, o in reqs]
+    pool = IndexPool(k, min_match=1, max_match=16, eos_token_ids=EOS)
+    pool.compact_at = 1000 if growth else pool.compact_at
+    matrix = np.zeros((len(reqs), 4096), np.int32)
+    ref, slot, done, pos = {}, {}, {}, {}
+    active, waiting = [], list(range(len(reqs)))
+    compared = kept_total = 0
+    while waiting or active:
+        if waiting and (len(active) < 5 or rng.random() < 0.3):
+            i = waiting.pop(0)
+            p, o = reqs[i]
+            matrix[i, : len(p)] = p
+            matrix[i, len(p)] = o[0]                # the prefill's token
+            pos[i], done[i] = len(p) + 1, 1
+            index = SuffixIndex(min_match=1, max_match=16, eos_token_ids=EOS)
+            drafter = SourcesProposer(index, corpora, min_match=1, max_match=16, eos_token_ids=EOS) if corpora else index
+            drafter.extend(matrix[i, : pos[i]])
+            ref[i] = (drafter, DraftPolicy(k), None)
+            slot[i] = (pool.add(0 if growth else pos[i]), 0)
+            active.append(i)
+        rows = np.array(active, np.int64)
+        slots = np.array([slot[i][0] for i in active], np.int64)
+        starts = np.array([slot[i][1] for i in active], np.int64)
+        ends = np.array([pos[i] for i in active], np.int64)
+        limits = np.array([min(k, len(reqs[i][1]) - done[i] - 1) for i in active], np.int64)
+        limits = np.maximum(limits, 0)
+        learn = starts > 0
+        with contextlib.ExitStack() as stack:
+            got = pool.step(matrix, rows, slots, starts, ends, limits, learn,
+                            [stack.enter_context(c.reading()) for _, c in corpora])
+        for j, i in enumerate(active):
+            drafter, policy, last = ref[i]
+            full = drafter.propose(int(limits[j]))
+            assert got.tokens[j, : got.lengths[j]].tolist() == full.tokens.tolist(), (seed, i)
+            assert got.match[j] == full.match_len
+            if last is not None:           # -1: nothing to learn (an empty draft)
+                assert got.kept[j] == (kept_prefix(last[0].chain, last[1]) if len(last[0]) else -1)
+            # probabilities: DraftPolicy's a1 a2^(j-1) for this bucket
+            table = policy.expected_table(np.array([full.match_len]), len(full))[0]
+            assert np.allclose(np.diff(table), got.p_kept[j, : len(full)])
+            compared += 1
+            # the engine: kept prefix of the full draft, then one true token
+            truth = reqs[i][1][done[i]:]
+            kept = kept_prefix(full.tokens, truth)
+            kept_total += kept
+            emitted = truth[: kept + 1]
+            matrix[i, pos[i]: pos[i] + len(emitted)] = emitted
+            policy.observe(full, emitted)
+            drafter.extend(emitted)
+            ref[i] = (drafter, policy, (full, emitted))
+            slot[i] = (slot[i][0], pos[i])
+            pos[i] += len(emitted)
+            done[i] += len(emitted)
+        for i in [i for i in active if done[i] >= len(reqs[i][1])]:
+            active.remove(i)
+            assert pool.tokens(slot[i][0]).tolist() == matrix[i, : slot[i][1]].tolist()   # what it was given
+            pool.remove(slot[i][0])
+    assert not growth or pool.compactions > 0, "guard: the arenas were compacted"
+    return compared, kept_total
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_pool_equals_index_and_policy(seed, k):
+    compared, kept = _run(seed, k, vocab=8, corpora=[])
+    assert compared > 50 and kept > 0, "guard: drafts were kept"
+
+
+def test_pool_slots_grow_and_compact():
+    compared, kept = _run(7, 8, vocab=8, corpora=[], growth=True)
+    assert compared > 50 and kept > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pool_with_corpora_equals_sources_proposer(seed):
+    rng = np.random.default_rng(100 + seed)
+    memory, refs = Memory(10_000), References()
+    for j in range(4):
+        memory.add(rng.integers(3, 8, size=40).astype(np.int32))
+        refs.register(f"doc{j}", tokens=rng.integers(3, 8, size=60).astype(np.int32))
+    compared, kept = _run(seed, 8, vocab=8, corpora=[("memory", memory), ("references", refs)])
+    assert compared > 50 and kept > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(p=st.lists(st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4), min_size=1, max_size=5),
+       avail=st.lists(st.integers(0, 4), min_size=5, max_size=5), cost=st.floats(0.0, 1.0))
+def test_ragged_lengths_is_the_best_choice(p, avail, cost):
+    # Brute force over every choice of prefix lengths: the rule's choice has the best value per cost.
+    p = -np.sort(-np.array(p), axis=1)                 # a row's probabilities fall along its draft
+    avail = np.array(avail[: len(p)])
+    got = ragged_lengths(p, avail, cost)
+    r = len(p)
+
+    def rate(lengths):
+        return (r + sum(p[i, :n].sum() for i, n in enumerate(lengths))) / (1 + cost * (r + sum(lengths)))
+    best = max(rate(c) for c in np.ndindex(*(avail + 1)))
+    assert np.all(got <= avail) and rate(got) >= best - 1e-9
