@@ -77,6 +77,7 @@ class IndexPool:
         self.hv = np.zeros(1 << 18, np.int32)
         self.used = np.zeros(4, np.int64)                   # bump pointer of each arena: tok, st, ed, hash
         self.garbage = np.zeros(4, np.int64)
+        self.bytes = 0                                      # what the live slots hold (their nbytes, summed)
         self.compact_at = 1 << 20                           # hash slots of garbage before compacting is worth it
         self.compactions = 0
 
@@ -123,6 +124,7 @@ class IndexPool:
         """Free slot s (its regions become garbage, reclaimed by the next compaction)."""
         states, edges, hashes = _layout(int(self.cap[s]))
         self.garbage += (int(self.cap[s]), states, edges, hashes)
+        self.bytes -= int(self._bytes_of(self.cap[s: s + 1])[0])
         self.cap[s] = 0
         self.free.append(s)
 
@@ -175,6 +177,7 @@ class IndexPool:
             K.rehash(self.st[3, off[1]: off[1] + states], self.ed[0, off[2]: off[2] + edges],
                      self.ed[2, off[2]: off[2] + edges], n_st, self.hk[off[3]: off[3] + hashes],
                      self.hv[off[3]: off[3] + hashes])
+        self.bytes += int(self._bytes_of(np.array([cap]))[0] - self._bytes_of(self.cap[s: s + 1])[0])
         self.off[s], self.cap[s] = off, cap
         if not keep:
             st = self.st[:, off[1]: off[1] + states]
@@ -189,8 +192,12 @@ class IndexPool:
         """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices)."""
         slots = np.asarray(slots, np.int64)
         cap, need = self.cap[slots], self.meta[slots, K.N_TOKENS] + np.asarray(more, np.int64)
-        new = np.where(need > cap, np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64)), cap)
-        return self._bytes_of(np.maximum(new, cap)) - self._bytes_of(cap)
+        out = np.zeros(len(slots), np.int64)
+        grow = np.flatnonzero(need > cap)
+        if len(grow):
+            new = np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64))
+            out[grow] = self._bytes_of(np.maximum(new, cap[grow])) - self._bytes_of(cap[grow])
+        return out
 
     def reserve(self, slots: np.ndarray, more: np.ndarray) -> None:
         """Room for `more[i]` more tokens in slot slots[i] (amortized O(1) per token: rooms double)."""

@@ -250,8 +250,13 @@ class LookupDrafter:
             lengths = ragged_lengths(step.p_kept, step.lengths, self.settings.draft_cost) if self.settings.draft_cost \
                 else step.lengths
         drafts: list[list[int]] = [[] for _ in range(B)]
-        for i, tokens, n in zip(rows.tolist(), step.tokens.tolist(), lengths.tolist()):
-            drafts[i] = tokens[:n]
+        if lengths.any():
+            # One host list of every token sent, cut per row: vLLM wants list[list[int]].
+            flat = step.tokens[np.arange(step.tokens.shape[1])[None, :] < lengths[:, None]].tolist()
+            ends = np.cumsum(lengths)
+            has = lengths > 0
+            for i, a, b in zip(rows[has].tolist(), (ends - lengths)[has].tolist(), ends[has].tolist()):
+                drafts[i] = flat[a:b]
         s = self.stats
         s.rows += len(rows)
         s.drafted += int(lengths.sum())
@@ -302,7 +307,7 @@ class LookupDrafter:
         growth = np.zeros(len(placed), np.int64)
         growth[placed] = self.pool.growth(claim.slots[placed], counts[placed] - claim.starts[placed])
         bound = self.settings.max_index_bytes
-        if self.index_bytes + growth.sum() <= bound:
+        if self.index_bytes + int(growth.sum()) <= bound:
             return placed
         for s in self.requests.idle(self._call - 1):
             self._drop(s, "evicted")
@@ -387,8 +392,7 @@ class LookupDrafter:
     @property
     def index_bytes(self) -> int:
         """Bytes held by the per-request indexes now (bounded by max_index_bytes)."""
-        live = np.fromiter(self.requests.live, np.int64, count=len(self.requests.live))
-        return int(self.pool.nbytes(live).sum())
+        return self.pool.bytes
 
 
 def _flush_at_exit(ref) -> None:

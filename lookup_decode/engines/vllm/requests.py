@@ -145,7 +145,11 @@ class RequestTable:
         gets slot -1."""
         r = len(rows)
         before = fingerprints(matrix, rows, counts - emitted)
-        slots = np.array([self._pop(fp) for fp in before.tolist()], np.int64) if r else np.zeros(0, np.int64)
+        if self.twins:
+            slots = np.array([self._pop(fp) for fp in before.tolist()], np.int64)
+        else:                                           # the common case: one slot per fingerprint
+            pop = self.table.pop
+            slots = np.array([pop(fp, -1) for fp in before.tolist()], np.int64)
         self.last_seen[slots[slots >= 0]] = call        # seen now: never evicted to make room in this call
         starts = np.where(slots >= 0, counts - emitted, 0)
         learn = slots >= 0
