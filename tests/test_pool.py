@@ -138,3 +138,20 @@ def test_ragged_lengths_is_the_best_choice(p, avail, cost):
         return (r + sum(p[i, :n].sum() for i, n in enumerate(lengths))) / (1 + cost * (r + sum(lengths)))
     best = max(rate(c) for c in np.ndindex(*(avail + 1)))
     assert np.all(got <= avail) and rate(got) >= best - 1e-9
+
+
+def test_shared_prior_follows_what_all_slots_saw():
+    pool = IndexPool(8, shared_prior=True)
+    fresh = pool.prior()
+    assert np.allclose(fresh[0], pool.first0) and np.allclose(fresh[1], pool.later0)
+    # A slot whose long-match drafts are always kept: a new slot starts with a higher first-token rate there.
+    matrix = np.tile(np.arange(3, 13, dtype=np.int32), 40)[None, :]     # a repeating text: long matches
+    s = pool.add(0)
+    pool.step(matrix, np.array([0]), np.array([s]), np.array([0]), np.array([100]), np.array([8]), np.array([False]))
+    for end in range(101, 140):           # the text goes on as before: every first draft token is kept
+        pool.step(matrix, np.array([0]), np.array([s]), np.array([end - 1]), np.array([end]), np.array([8]),
+                  np.array([True]))
+    first, later = pool.prior()
+    b = 6                                                               # bucket of matches 64-127
+    assert first[b, 0] / first[b, 1] > pool.first0[b, 0] / pool.first0[b, 1]
+    assert np.allclose(first[:, 1], pool.first0[:, 1])                  # still worth the prior's weight

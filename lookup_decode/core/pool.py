@@ -37,6 +37,8 @@ from lookup_decode.core.tokens import as_token_array
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
 SEPARATOR = 2**31 - 1              # between a corpus's entries (`sources.corpus`): drafts stop there
 CURSOR_TAIL = 256                  # most tokens a corpus cursor re-walks after its corpus changed (as `Cursor`)
+SHARED_WEIGHT = 16.0               # the replay prior against the observations of all slots (shared_prior)
+SHARED_FORGET = 0.999              # per observation: the shared prior follows the last few thousand
 
 
 def _layout(cap: int) -> tuple[int, int, int]:
@@ -54,10 +56,14 @@ class IndexPool:
         corpus_min_match, alone_min_match: the corpus rule of `SourcesProposer` (a corpus draft needs this
             match while the request has a draft of its own / when it has none).
         first_prior_factor: as for `DraftPolicy`.
+        shared_prior: a new slot starts from the acceptance all slots observed lately (per match-length bucket,
+            the replay prior weighing as SHARED_WEIGHT observations against them), still worth _PRIOR_WEIGHT
+            observations of its own; False: from the replay prior, as `DraftPolicy` does (the parity tests).
     """
 
     def __init__(self, k: int, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), resync_window: int = 64,
-                 corpus_min_match: int = 4, alone_min_match: int = 2, first_prior_factor: float | None = None):
+                 corpus_min_match: int = 4, alone_min_match: int = 2, first_prior_factor: float | None = None,
+                 shared_prior: bool = False):
         self.k = int(k)
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
@@ -66,6 +72,9 @@ class IndexPool:
         self.corpus_min_match = min(max(self.min_match, corpus_min_match), self.max_match)
         self.alone_min_match = min(max(self.min_match, alone_min_match), self.corpus_min_match)
         self.first0, self.later0 = prior_counts(first_prior_factor)
+        self.shared_prior = shared_prior
+        # Every slot's observations, decayed by SHARED_FORGET per observation: [bucket, (kept, tried)].
+        self.seen_first, self.seen_later = np.zeros((_N_BUCKETS, 2)), np.zeros((_N_BUCKETS, 2))
         self.slots = 0                                      # slots ever allocated (arrays hold this many rows)
         self.free: list[int] = []
         self.meta = None
@@ -114,11 +123,21 @@ class IndexPool:
         while cap < n_tokens:
             cap *= 2
         self._place(s, min(cap, max(MAX_TOKENS, int(n_tokens))), keep=False)
-        self.first[s], self.later[s] = self.first0, self.later0
+        self.first[s], self.later[s] = self.prior()
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
         self.cursor[s] = SuffixIndex.new_cursor()
         self.cursor_ver[s] = -1
         return s
+
+    def prior(self) -> tuple[np.ndarray, np.ndarray]:
+        """The acceptance counts a new slot starts from (float64 [_N_BUCKETS, 2] each, first and later positions)."""
+        if not self.shared_prior:
+            return self.first0.copy(), self.later0.copy()
+        out = []
+        for prior, seen in ((self.first0, self.seen_first), (self.later0, self.seen_later)):
+            rate = (prior[:, 0] * SHARED_WEIGHT / prior[:, 1] + seen[:, 0]) / (SHARED_WEIGHT + seen[:, 1])
+            out.append(np.stack([rate * prior[:, 1], prior[:, 1]], axis=1))
+        return out[0], out[1]
 
     def remove(self, s: int) -> None:
         """Free slot s (its regions become garbage, reclaimed by the next compaction)."""
@@ -263,7 +282,7 @@ class IndexPool:
               np.asarray(learn, np.bool_),
               (self.tok, self.st, self.ed, self.hk, self.hv, self.meta, self.cap, self.off),
               (self.first, self.later, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
-               self.prev_ver), (self.cursor, self.cursor_ver),
+               self.prev_ver, self.seen_first, self.seen_later), (self.cursor, self.cursor_ver),
               c_arrays[0], c_arrays[1], versions, len(corpora),
               self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match, self.eos, self.stops,
               self.window, _FORGET, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
@@ -324,7 +343,7 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursors, corpus0, corpus1, versions,
           n_corpora, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window, forget,
           out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
-    first, later, prev, prev_len, prev_match, prev_src, prev_end, prev_ver = policy
+    first, later, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, seen_first, seen_later = policy
     cursor, cursor_ver = cursors
     k = out_tokens.shape[1]
     scratch = np.zeros(k, np.int32)
@@ -345,6 +364,13 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
             first[s, b, 1] += 1.0
             later[s, b, 0] += max(kept - 1, 0)
             later[s, b, 1] += min(kept, n - 1)
+            for j in range(2):
+                seen_first[b, j] *= SHARED_FORGET
+                seen_later[b, j] *= SHARED_FORGET
+            seen_first[b, 0] += 1.0 if kept > 0 else 0.0
+            seen_first[b, 1] += 1.0
+            seen_later[b, 0] += max(kept - 1, 0)
+            seen_later[b, 1] += min(kept, n - 1)
             out_kept[i] = kept
             out_credit[i, 0] = prev_src[s]
             if prev_src[s] > 0:
