@@ -159,13 +159,15 @@ class StepCost:
         if not prior_token_cost >= 0:
             raise ValueError(f"prior_token_cost must be >= 0, got {prior_token_cost}")
         self.prior, self.prior_weight, self.forget = float(prior_token_cost), float(prior_weight), float(forget)
-        self.sums = np.zeros(5)         # weighted sums of 1, x, y, x^2, x y (x: tokens, y: seconds)
-        self.observed = 0
+        self.sums = [0.0] * 5           # weighted sums of 1, x, y, x^2, x y (x: tokens, y: seconds); plain floats:
+        self.observed = 0               # this runs once per engine step, where numpy's call cost would dominate
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not seconds > 0:
             return
-        self.sums = self.sums * self.forget + np.array([1.0, tokens, seconds, tokens * tokens, tokens * seconds])
+        f = self.forget
+        w, x, y, xx, xy = self.sums
+        self.sums = [w * f + 1.0, x * f + tokens, y * f + seconds, xx * f + tokens * tokens, xy * f + tokens * seconds]
         self.observed += 1
 
     @property

@@ -12,6 +12,7 @@ chain rounded up to one of a few bucketed sizes.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from lookup_decode.core.config import check_k
 from lookup_decode.core.draft import Draft, kept_prefix
@@ -56,18 +57,31 @@ def ragged_lengths(p_kept: np.ndarray, available: np.ndarray, token_cost: float)
 
     Example: p_kept [[0.9, 0.8], [0.1, 0.05]], available [2, 2], token_cost 0.2 -> [2, 0].
     """
-    r = p_kept.shape[0]
-    if r == 0:
-        return np.zeros(0, np.int64)
-    cols = np.arange(p_kept.shape[1])
-    p = np.where(cols[None, :] < np.asarray(available)[:, None], p_kept, -1.0).ravel()
-    order = np.argsort(-p, kind="stable")           # stable: a row's equal probabilities stay in draft order
-    top = p[order]
-    top = top[: int(np.searchsorted(-top, 0.0, side="left"))]      # only tokens that can be kept
-    value = r + np.concatenate([[0.0], np.cumsum(top)])
-    cost = 1.0 + token_cost * (r + np.arange(len(top) + 1))
-    m = int(np.argmax(value / cost))
-    return np.bincount(order[:m] // p_kept.shape[1], minlength=r).astype(np.int64)
+    out = np.zeros(p_kept.shape[0], np.int64)
+    _ragged(np.ascontiguousarray(p_kept, np.float64), np.asarray(available, np.int64), float(token_cost), out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _ragged(p_kept, available, token_cost, out):
+    r, k = p_kept.shape
+    p = np.full(r * k, -1.0)
+    for i in range(r):
+        for j in range(min(available[i], k)):
+            p[i * k + j] = p_kept[i, j]
+    order = np.argsort(-p, kind="mergesort")     # stable: a row's equal probabilities stay in draft order
+    value, cost = float(r), 1.0 + token_cost * r
+    best, best_m = value / cost, 0
+    for m in range(r * k):
+        x = p[order[m]]
+        if x <= 0.0:
+            break                                # only tokens that can be kept
+        value += x
+        cost += token_cost
+        if value / cost > best:
+            best, best_m = value / cost, m + 1
+    for m in range(best_m):
+        out[order[m] // k] += 1
 
 
 def bucket(match_len: int) -> int:

@@ -87,6 +87,7 @@ class IndexPool:
         self.used = np.zeros(4, np.int64)                   # bump pointer of each arena: tok, st, ed, hash
         self.garbage = np.zeros(4, np.int64)
         self.bytes = 0                                      # what the live slots hold (their nbytes, summed)
+        self._out = _buffers(64, self.k)
         self.compact_at = 1 << 20                           # hash slots of garbage before compacting is worth it
         self.compactions = 0
 
@@ -146,6 +147,11 @@ class IndexPool:
         self.bytes -= int(self._bytes_of(self.cap[s: s + 1])[0])
         self.cap[s] = 0
         self.free.append(s)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        if 2 * self.garbage[3] > self.used[3] and self.garbage[3] > self.compact_at:
+            self._compact()
 
     def length(self, slots) -> np.ndarray:
         """int64 [r]: tokens indexed in each slot."""
@@ -221,6 +227,8 @@ class IndexPool:
     def reserve(self, slots: np.ndarray, more: np.ndarray) -> None:
         """Room for `more[i]` more tokens in slot slots[i] (amortized O(1) per token: rooms double)."""
         need = self.meta[slots, K.N_TOKENS] + more
+        if not (need > self.cap[slots]).any():
+            return
         if need.max(initial=0) > MAX_TOKENS:
             raise ValueError(f"a pool slot holds at most {MAX_TOKENS} tokens (int32 positions)")
         for i in np.flatnonzero(need > self.cap[slots]):
@@ -228,8 +236,7 @@ class IndexPool:
             while cap < need[i]:
                 cap *= 2
             self._place(int(slots[i]), min(cap, max(MAX_TOKENS, int(need[i]))), keep=True)
-        if 2 * self.garbage[3] > self.used[3] and self.garbage[3] > self.compact_at:
-            self._compact()
+        self._maybe_compact()
 
     def _compact(self) -> None:
         """Copy the live slots' regions to the front of fresh arenas (no rehash: hash regions move whole)."""
@@ -254,7 +261,7 @@ class IndexPool:
     # -- the step -------------------------------------------------------------------------------------
     def step(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
              limits: np.ndarray, learn: np.ndarray, corpora=()) -> "Step":
-        """Learn, extend and draft for every row at once.
+        """Learn, extend and draft for every row at once (the returned arrays are reused by the next call).
 
         matrix: int32 [R, L], row rows[i] holding its request's tokens; slot slots[i] has indexed
         matrix[rows[i], :starts[i]] and takes matrix[rows[i], starts[i]:ends[i]] now (its new tokens).
@@ -267,9 +274,12 @@ class IndexPool:
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         self.reserve(slots, ends - starts)
         r = len(rows)
-        out = Step(np.zeros((r, max(self.k, 1)), np.int32), np.zeros(r, np.int64), np.zeros(r, np.int64),
-                   np.zeros(r, np.int64), np.zeros((r, max(self.k, 1))), np.full(r, -1, np.int64),
-                   np.full((r, 3), -1, np.int64))
+        if r > self._out.tokens.shape[0]:             # outputs live in buffers reused from call to call
+            self._out = _buffers(max(r, 2 * self._out.tokens.shape[0]), self.k)
+        b = self._out
+        out = Step(b.tokens[:r], b.lengths[:r], b.match[:r], b.source[:r], b.p_kept[:r], b.kept[:r], b.credit[:r])
+        out.kept[:] = -1
+        out.credit[:] = -1
         empty_i, empty_l = np.zeros(1, np.int32), np.full(1, -1, np.int64)
         c_arrays, versions = [], np.full(2, -1, np.int64)
         for c, (index, version) in enumerate(list(corpora)[:2]):
@@ -299,6 +309,12 @@ class Step:
     p_kept: np.ndarray          # float64 [r, k]: probability that draft token j is kept (all before it kept)
     kept: np.ndarray            # int64 [r]: tokens of the slot's previous full draft the engine kept (-1: not learned)
     credit: np.ndarray          # int64 [r, 3]: (source, corpus version, position) of the draft `kept` refers to
+
+
+def _buffers(r: int, k: int) -> Step:
+    k = max(k, 1)
+    return Step(np.zeros((r, k), np.int32), np.zeros(r, np.int64), np.zeros(r, np.int64), np.zeros(r, np.int64),
+                np.zeros((r, k)), np.full(r, -1, np.int64), np.full((r, 3), -1, np.int64))
 
 
 @njit(cache=True, nogil=True)

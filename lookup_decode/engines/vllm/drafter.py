@@ -172,6 +172,7 @@ class LookupDrafter:
             if vocab_size is not None:
                 corpus.check_vocab(vocab_size, "the engine's model")
         self.cost = StepCost(settings.draft_cost)
+        self._retire_every = max(1, settings.idle_steps // 4)
         self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self.stats = DrafterStats()
         self._unsaved = 0
@@ -269,7 +270,8 @@ class LookupDrafter:
         s.refused += int((claim.slots < 0).sum())
         self.requests.sent[slots] = lengths
         self._last = now
-        self._retire(self._call - self.settings.idle_steps, "retired")
+        if self._call % self._retire_every == 0:     # a bounded delay; the scan over live requests is O(requests)
+            self._retire(self._call - self.settings.idle_steps, "retired")
         if self.settings.reload_every and self._call % self.settings.reload_every == 0:
             self.reload_memory()
         return drafts
