@@ -143,7 +143,6 @@ class RequestTable:
         and this step's sampled tokens; call: this call's number). admit(n_tokens) -> bool says whether a fresh
         slot for a row of n_tokens fits the byte bound (it may evict slots not seen in this call); a row refused
         gets slot -1."""
-        r = len(rows)
         before = fingerprints(matrix, rows, counts - emitted)
         if self.twins:
             slots = np.array([self._pop(fp) for fp in before.tolist()], np.int64)
