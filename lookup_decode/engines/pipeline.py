@@ -346,7 +346,9 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
     if not ray.is_initialized():
         kwargs = dict(ray_init or {})
         if address is None:  # a local cluster: its workers import this very lookup_decode (a checkout, not a wheel)
-            here = str(Path(__file__).resolve().parent.parent)
+            # the folder that holds the lookup_decode package (not the package itself: its vllm.py would
+            # shadow vLLM in the workers)
+            here = str(Path(__file__).resolve().parents[2])
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **kwargs)
