@@ -82,13 +82,15 @@ def abba(methods: list[str], repeats: int) -> list[tuple[int, str]]:
     return order
 
 
-def plan_cells(available: dict[str, list[int]], batches: list[int], requests: int) -> list[dict]:
-    """Cells {"workload", "batch", "groups"}: per workload and batch b, ceil(requests / b) groups of b request
-    indices (one `llm.generate` call each), taken in order from the workload's available requests without reuse
-    across the workload's cells. ValueError when a workload has too few requests.
+def plan_cells(available: dict[str, list[int]], batches: list[int], requests: int, once=()) -> list[dict]:
+    """Cells {"workload", "batch", "groups", "once"}: per workload and batch b, ceil(requests / b) groups of b
+    request indices (one `llm.generate` call each), taken in order from the workload's available requests without
+    reuse across the workload's cells; "once": b is in `once` (run in the first repeat only). ValueError when a
+    workload has too few requests.
 
     Example: available {"w": [0..9]}, batches [1, 4], requests 2 ->
-        [{"workload": "w", "batch": 1, "groups": [[0], [1]]}, {"workload": "w", "batch": 4, "groups": [[2, 3, 4, 5]]}]
+        [{"workload": "w", "batch": 1, "groups": [[0], [1]], "once": False},
+         {"workload": "w", "batch": 4, "groups": [[2, 3, 4, 5]], "once": False}]
     """
     cells = []
     for workload, pool in available.items():
@@ -102,7 +104,8 @@ def plan_cells(available: dict[str, list[int]], batches: list[int], requests: in
                                  f"{len(pool)} do (lower --requests, or raise --max-prompt-tokens)")
             ids = pool[offset: offset + need]
             offset += need
-            cells.append({"workload": workload, "batch": b, "groups": [ids[i * b:(i + 1) * b] for i in range(calls)]})
+            cells.append({"workload": workload, "batch": b, "groups": [ids[i * b:(i + 1) * b] for i in range(calls)],
+                          "once": b in once})
     return cells
 
 
@@ -246,8 +249,9 @@ WARMUP_TEXTS = [
 ]
 
 
-def run_child(plan_path: str, method: str, out_path: str) -> None:
-    """One engine, every cell of the plan; writes the raw measurements to out_path (JSON)."""
+def run_child(plan_path: str, method: str, out_path: str, repeat: str = "0") -> None:
+    """One engine, every cell of the plan (after the first repeat, those not marked "once"); writes the raw
+    measurements to out_path (JSON)."""
     t0 = time.perf_counter()
     plan = json.loads(Path(plan_path).read_text())
     settings = plan["settings"]
@@ -277,6 +281,8 @@ def run_child(plan_path: str, method: str, out_path: str) -> None:
     requests = plan["requests"]
     cells = []
     for cell in plan["cells"]:
+        if cell.get("once") and int(repeat) > 0:
+            continue
         probe.reset()
         before = counters(llm)
         tokens, tpot, wall = {}, [], 0.0
@@ -451,6 +457,13 @@ def _f(x, fmt):
     return "–" if x is None else format(x, fmt)
 
 
+def _once_note(s: dict) -> str:
+    once = [b for b in s.get("once_batches") or [] if b in (s.get("batches") or [])]
+    if s["repeats"] < 2 or not once:
+        return ""
+    return f" (batch {', '.join(map(str, once))}: first repeat only, one run per method)"
+
+
 def markdown(result: dict) -> str:
     s, summary = result["settings"], result["summary"]
     env = result.get("engine_info") or {}
@@ -459,7 +472,8 @@ def markdown(result: dict) -> str:
              f"Model `{s['model']}` ({s['dtype']}), K = {s['k']}, greedy, at most {s['max_tokens']} new tokens"
              f"{' (EOS ignored)' if s['ignore_eos'] else ''}, {s['requests']} requests per workload and batch size "
              f"(rounded up to whole batches), prompts <= {s['max_prompt_tokens']} tokens; {s['repeats']} repeat(s) "
-             f"per method in ABBA order, one fresh engine per method and repeat; the {s['stat']} repeat per cell.  ",
+             f"per method in ABBA order, one fresh engine per method and repeat; the {s['stat']} repeat per cell"
+             f"{_once_note(s)}.  ",
              f"Machine: {result['environment'].get('cpu')} ({result['environment'].get('cpu_count')} CPUs), "
              f"GPU {env.get('cuda')}; threads {s['threads']}; run took {result.get('run_s', 0) / 60:.1f} min.", "",
              "tok/s: output tokens / wall seconds of the cell's `llm.generate` calls. ms/tok: per request, (last - "
@@ -512,13 +526,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, help="benchmarks.workloads names")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests", type=int, default=4, help="requests per workload and batch size (rounded up to "
+    ap.add_argument("--requests", type=int, default=2, help="requests per workload and batch size (rounded up to "
                     "whole batches: batch 8 runs 8, batch 32 runs 32)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--once-batches", type=int, nargs="*", default=[32],
+                    help="batch sizes measured in the first repeat only (the costliest cells on a CPU; none: every "
+                    "batch size in every repeat)")
     ap.add_argument("--stat", choices=["min", "median"], default="min")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every method")
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="requests with longer prompts are left out")
+    ap.add_argument("--max-prompt-tokens", type=int, default=640, help="requests with longer prompts are left out "
+                    "(prefill is ~5 ms a token on one CPU core: long prompts cost the run more than decoding)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="kv_cache_memory_bytes (0: vLLM's default, "
                     "gpu_memory_utilization); 2 GiB holds batch 32 of 1,024-token prompts of the default model")
@@ -578,7 +596,7 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
         with open(log, "w") as f:
             try:
                 rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm_engine", "child", str(plan_path), method,
-                                     str(out)], check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                     str(out), str(repeat)], check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -591,6 +609,8 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
             print(f"!!! {method} (repeat {repeat}) failed ({rc}):\n{tail[-1500:]}", flush=True)
         run.update(repeat=repeat, seconds=time.perf_counter() - t)
         runs.append(run)
+        done = sum(r["seconds"] for r in runs)
+        print(f"--- {run['seconds']:.0f} s; {done / 60:.1f} min so far", flush=True)
     return runs
 
 
@@ -628,7 +648,7 @@ def main(argv=None) -> None:
     limit = min(args.max_prompt_tokens, args.max_model_len - args.max_tokens - args.k - 1)
     requests, available = load_requests(tokenizer, args.workloads, limit)
     try:
-        cells = plan_cells(available, args.batches, args.requests)
+        cells = plan_cells(available, args.batches, args.requests, args.once_batches if args.repeats > 1 else ())
     except ValueError as e:
         raise SystemExit(f"bench_vllm engine: {e}")
     used = sorted({i for c in cells for g in c["groups"] for i in g})
@@ -636,7 +656,7 @@ def main(argv=None) -> None:
                 "kv_cache_memory_bytes": args.kv_cache_bytes or None, "dtype": args.dtype, "enforce_eager": eager,
                 "ignore_eos": args.ignore_eos, "lookup_config": args.lookup_config, "engine_args": args.engine_args,
                 "threads": threads, "requests": args.requests, "max_prompt_tokens": limit, "repeats": args.repeats,
-                "stat": args.stat, "methods": args.methods, "workloads": args.workloads, "batches": args.batches}
+                "stat": args.stat, "once_batches": args.once_batches, "methods": args.methods, "workloads": args.workloads, "batches": args.batches}
     warmup = [chat_prompt(tokenizer, t) for t in WARMUP_TEXTS]
     keep = set(used)              # the child indexes requests by position; unused ones are left out (None)
     plan = {"settings": settings, "requests": [r if i in keep else None for i, r in enumerate(requests)],
@@ -662,7 +682,7 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "child":
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
         run_child(*sys.argv[2:])
     else:
         main()

@@ -30,6 +30,8 @@ def test_plan_cells_rounds_up_to_whole_batches_and_never_reuses_a_request():
     available = {"w": list(range(100, 150)), "v": list(range(10))}
     cells = plan_cells({"w": available["w"]}, [1, 8, 32], 4)
     assert [(c["batch"], [len(g) for g in c["groups"]]) for c in cells] == [(1, [1, 1, 1, 1]), (8, [8]), (32, [32])]
+    assert not any(c["once"] for c in cells)
+    assert [c["once"] for c in plan_cells({"w": available["w"]}, [1, 8, 32], 4, once=[32])] == [False, False, True]
     used = [i for c in cells for g in c["groups"] for i in g]
     assert len(used) == len(set(used)) == 44 and used == list(range(100, 144))     # in order, disjoint
     assert [len(g) for g in plan_cells({"w": available["w"]}, [3], 7)[0]["groups"]] == [3, 3, 3]
@@ -78,6 +80,7 @@ def test_child_env_in_process_engine_threads_and_no_lookup_decode_settings():
 def test_engine_flags_parse_and_bench_vllm_hands_engine_over(monkeypatch):
     args = vllm_engine.parse_args([])
     assert (args.batches, args.k, args.repeats, args.methods) == ([1, 8, 32], 8, 2, list(vllm_engine.METHODS))
+    assert args.once_batches == [32] and vllm_engine.parse_args(["--once-batches"]).once_batches == []
     args = vllm_engine.parse_args(["--workloads", "code_edit", "--batches", "1", "--requests", "2", "--max-tokens",
                                    "16", "--methods", "none", "lookup_decode", "--lookup-config", '{"k": 4}'])
     assert (args.workloads, args.batches, args.requests, args.max_tokens) == (["code_edit"], [1], 2, 16)
