@@ -528,7 +528,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=2, help="requests per workload and batch size (rounded up to "
                     "whole batches: batch 8 runs 8, batch 32 runs 32)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--once-batches", type=int, nargs="*", default=[32],
                     help="batch sizes measured in the first repeat only (the costliest cells on a CPU; none: every "
@@ -606,6 +606,9 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
             print("\n".join(line for line in tail.splitlines() if line.startswith(f"[{method}]")), flush=True)
         else:
             run = {"method": method, "error": f"exit {rc}\n{tail}"}
+            if "_lib_fn_wrapper" in tail:    # vLLM CPU's kernel-override scan trips on llvmlite's library object
+                print("!!! numba (llvmlite) was imported before vLLM's worker started, e.g. by a vllm.general_plugins "
+                      "entry point that imports numba; VLLM_PLUGINS=<the other plugins> leaves it out", flush=True)
             print(f"!!! {method} (repeat {repeat}) failed ({rc}):\n{tail[-1500:]}", flush=True)
         run.update(repeat=repeat, seconds=time.perf_counter() - t)
         runs.append(run)
