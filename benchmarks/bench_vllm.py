@@ -3,6 +3,8 @@
     python -m benchmarks.bench_vllm cost       # drafter CPU time per engine step vs vLLM's n-gram proposer
     python -m benchmarks.bench_vllm replay     # tokens per step on the shared sets, K = 4, 8, 16
     python -m benchmarks.bench_vllm replicas   # 4 replicas sharing memory files vs 4 isolated ones
+    python -m benchmarks.bench_vllm engine     # the real vLLM engine: lookup_decode vs none/ngram/suffix
+                                               # (benchmarks/vllm_engine.py; `engine --help` for its flags)
 
 Every proposer runs behind the runner's `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`:
 * cost: a persistent batch of B rows of T tokens; after one untimed step (lookup_decode indexes each
@@ -298,8 +300,13 @@ def replicas_markdown(result, command, k: int) -> str:
 
 
 def main(argv=None) -> None:
+    import sys
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["engine"]:          # its own flags and defaults (vllm_engine.py), no simulation
+        from benchmarks import vllm_engine
+        return vllm_engine.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["cost", "replay", "replicas"])
+    ap.add_argument("what", choices=["cost", "replay", "replicas", "engine"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384, 65536])
     ap.add_argument("--steps", type=int, default=10)
@@ -310,8 +317,7 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-cost", type=float, default=0.0, help="cost: lookup_decode's LOOKUP_DECODE_DRAFT_COST")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    import sys
-    command = "python -m benchmarks.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.bench_vllm " + " ".join(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment()
     if args.what == "cost":
