@@ -27,3 +27,7 @@ __all__ = ["generate", "lookup_decoding", "decode", "step", "Rows", "Draft", "Dr
            "StopStrings", "UnsupportedCacheError", "load_model", "ModelNotFoundError", "Memory", "References",
            "CorpusFileError"]
 __version__ = "0.1.0"
+
+from lookup_decode.engines.vllm.cpu_fix import survive_kernel_scan  # noqa: E402  (after numba is loaded)
+
+survive_kernel_scan()

@@ -247,7 +247,7 @@ def test_batch_module_imports_without_vllm():
 
 
 def test_engine_arguments(tmp_path):
-    """What the job asks vLLM for: the drafter with the job's lookup options (draft_cost 0 for --no-adaptive,
+    """What the job asks vLLM for: the drafter with the job's lookup options (adaptive False for --no-adaptive,
     references as an absolute path), nothing of it for --plain; the CPU defaults only on a CPU."""
     from lookup_decode.engines.vllm.batch import llm_kwargs
     (tmp_path / "config.json").write_text("{}")
@@ -257,7 +257,7 @@ def test_engine_arguments(tmp_path):
     args = llm_kwargs(job, cpu=True)
     assert args["speculative_config"] == {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter",
                                           "num_speculative_tokens": 6}
-    assert args["additional_config"] == {"lookup_decode": {"k": 6, "min_match": 2, "max_match": 64, "draft_cost": 0.0,
+    assert args["additional_config"] == {"lookup_decode": {"k": 6, "min_match": 2, "max_match": 64, "adaptive": False,
                                                            "references": str((tmp_path / "refs").resolve())}}
     assert (args["max_model_len"], args["kv_cache_memory_bytes"], args["enforce_eager"]) == (512, 1 << 30, True)
     plain = llm_kwargs(Job(model=str(tmp_path), engine="vllm", plain=True, kv_cache_bytes=1 << 28), cpu=False)

@@ -89,14 +89,14 @@ def _drafter(k=8, settings=None, **kw):
     return lv.LookupDrafter.from_settings(settings or lv.Settings(), k, eos_token_ids=EOS, **kw)
 
 
-FULL = lv.Settings(adaptive=False, draft_cost=0.0)      # every proposed token sent: drafts are the full proposals
+FULL = lv.Settings(adaptive=False)      # every proposed token sent: drafts are the full proposals
 
 
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_drafts_equal_transformers_path_while_rows_move(k):
     requests = _requests(seed=k, n=40, chunk=32)
     # No request retires while it waits outside a full batch: each is indexed once (test_preempted_* rebuilds).
-    drafter = _drafter(k, lv.Settings(adaptive=False, draft_cost=0.0, idle_steps=10**6))
+    drafter = _drafter(k, lv.Settings(adaptive=False, idle_steps=10**6))
     SimRunner(drafter, max_num_reqs=8, seed=k, p_unscheduled=0.05, p_swap=0.3, arrivals_per_step=2, k=k).run(requests)
     compared, accepted = _compare(requests, lambda: SuffixIndex(eos_token_ids=EOS), k, None)
     assert compared > 200 and accepted > 100          # guard: drafts were produced and accepted
@@ -113,7 +113,7 @@ def test_drafts_equal_transformers_path_with_memory_and_references(tmp_path):
     refs.register("doc", tokens=rng.integers(3, 12, size=400))
     k = 8
     # idle_steps: no request retires during the run, so the memory is the same for both paths.
-    drafter = _drafter(k, lv.Settings(idle_steps=10**6, adaptive=False, draft_cost=0.0), memory=memory,
+    drafter = _drafter(k, lv.Settings(idle_steps=10**6, adaptive=False), memory=memory,
                        references=refs)
     SimRunner(drafter, max_num_reqs=6, seed=1, p_swap=0.5, arrivals_per_step=1).run(requests)
     corpora = [("memory", memory), ("references", refs)]

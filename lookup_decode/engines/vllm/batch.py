@@ -67,13 +67,12 @@ def check_job(job) -> None:
 
 def lookup_settings(job) -> dict:
     """The drafter's settings for this job (`additional_config={"lookup_decode": ...}`, read by LookupDrafter):
-    the job's LookupConfig and references under the drafter's setting names. Without --no-adaptive draft_cost
-    is left to the drafter (its default, or LOOKUP_DECODE_DRAFT_COST). Example: LookupConfig(k=8, adaptive=False)
-    -> {"k": 8, "min_match": 1, "max_match": 64, "draft_cost": 0.0}."""
+    the job's LookupConfig and references under the drafter's setting names. Example: LookupConfig(k=8, adaptive=False)
+    -> {"k": 8, "min_match": 1, "max_match": 64, "adaptive": False}."""
     cfg = job.lookup
     out = {"k": cfg.k, "min_match": cfg.min_match, "max_match": cfg.max_match}
     if not cfg.adaptive:
-        out["draft_cost"] = 0.0      # verify everything the index proposes, as LookupConfig(adaptive=False) does
+        out["adaptive"] = False      # verify everything the index proposes, as LookupConfig(adaptive=False) does
     if job.references:
         out["references"] = str(Path(job.references).resolve())
     return out
@@ -114,7 +113,6 @@ class VllmEngine:
             torch.set_num_threads(job.threads)   # before vLLM: its CPU worker makes set_num_threads a no-op
         from vllm import LLM
         from vllm.platforms import current_platform
-        _llvmlite_survives_vllm_scan()
 
         from lookup_decode.engines.hf.models import load_tokenizer
         self.job = job
@@ -204,22 +202,6 @@ class VllmEngine:
                 # the engine run that made this record: its number on this worker and its seconds
                 "batch": self.batches, "batch_s": round(seconds, 4)})
         return records
-
-
-def _llvmlite_survives_vllm_scan() -> None:
-    """Let vLLM start in a process that imported numba (every process that imported lookup_decode).
-
-    vLLM 0.32's CPU worker, before it loads the model, rebinds its Triton kernels to C++ ones by scanning every
-    module's globals and reading `vars(value).get("kernel")` of each that has a `__dict__`
-    (vllm/triton_utils/dispatcher.py `_rebind_kernels`). llvmlite's `binding.ffi.lib` (numba loads it) answers
-    any missing attribute, `__dict__` included, from its C library, with a wrapped C function: `LLM()` dies with
-    "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'". An empty `__dict__` in lib's own table of
-    names is what the scan then reads (nothing else asks lib for its `__dict__`).
-    """
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
-    if isinstance(table, dict):
-        table.setdefault("__dict__", {})
 
 
 def _eos(folder: str) -> list[int]:

@@ -247,11 +247,9 @@ class LookupDrafter:
                                   claim.learn[placed], [held.enter_context(c.reading()) for c in self.corpora])
         self.requests.file(matrix, rows, slots, ends, self._call)
         self._learned(step)
-        if self.settings.adaptive:
-            lengths = ragged_lengths(step.p_kept, step.lengths, self.cost.token_cost)
-        else:
-            lengths = ragged_lengths(step.p_kept, step.lengths, self.settings.draft_cost) if self.settings.draft_cost \
-                else step.lengths
+        # Not adaptive: everything the index proposes, up to k (vLLM's n-gram rule).
+        lengths = ragged_lengths(step.p_kept, step.lengths, self.cost.token_cost) if self.settings.adaptive \
+            else step.lengths
         drafts: list[list[int]] = [[] for _ in range(B)]
         if lengths.any():
             # One host list of every token sent, cut per row: vLLM wants list[list[int]].

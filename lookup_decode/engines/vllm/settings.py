@@ -31,7 +31,7 @@ class Settings:
         kept against what a token costs the step, learned from the time between the drafter's calls);
         False: every token the index proposes, up to k (vLLM's n-gram proposer's rule).
     draft_cost: what one more token costs a step, relative to the step's fixed part, before any step was
-        timed (adaptive: the prior of the learned cost; not adaptive: the price used; 0: tokens are free).
+        timed (adaptive only: the prior of the learned cost).
     memory: memory file(s) to load at start (os.pathsep-separated; glob patterns allowed, e.g. every replica's
         `/shared/mem-*.npz`), made by `Memory.save` or by another replica's `memory_save`.
     memory_save: where this engine writes its memory (every `save_every` stored outputs, and when the process
