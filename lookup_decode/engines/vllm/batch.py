@@ -26,7 +26,6 @@ import importlib.util
 import itertools
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
