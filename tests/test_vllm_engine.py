@@ -126,7 +126,8 @@ def scenario_preempt(out):
               "prompt_lens": [len(o.prompt_token_ids) for o in outs],
               "request_ids": [o.request_id for o in outs],
               "metrics": vs.metrics_delta(vs.spec_metrics(llm), before), "probe": probe.summary(),
-              "idle_steps": drafter.settings.idle_steps, "stats": asdict(drafter.stats), "live": drafter.live_requests}
+              "retire_within": drafter.retire_within, "live": drafter.live_requests,
+              "stats": {k: v for k, v in asdict(drafter.stats).items() if not isinstance(v, dict)}}  # counts only
     drafter.flush()
     result["live_after_flush"] = drafter.live_requests
     _write(out, result)
@@ -272,10 +273,10 @@ def test_drafts_accepted_after_skip_and_preemption(preempt):
 
 def test_no_orphan_drafter_states(preempt):
     """At most one state per request that the drafter may still see: after each propose call, the live states
-    are no more than the distinct requests of the last idle_steps calls (a state is retired after idle_steps
-    calls without its request). Orphans — states of requests whose rows the drafter no longer recognises after
+    are no more than the distinct requests of the last `retire_within` calls (a state is retired at most that
+    many calls after its request's last row). Orphans — states of requests whose rows the drafter no longer recognises after
     steps it did not see (vLLM's whole-batch skip), kept beside the rebuilt ones — break this bound."""
-    calls, idle = preempt["probe"]["calls"], preempt["idle_steps"]
+    calls, idle = preempt["probe"]["calls"], preempt["retire_within"]
     assert calls
     for c, call in enumerate(calls):
         window = {r for earlier in calls[max(0, c - idle + 1): c + 1] for r in earlier["rows"]}

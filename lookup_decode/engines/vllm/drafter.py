@@ -392,6 +392,11 @@ class LookupDrafter:
         return len(self.requests.live)
 
     @property
+    def retire_within(self) -> int:
+        """A request's state is dropped within this many calls of its last row (idle_steps + the retirement scan's period)."""
+        return self.settings.idle_steps + self._retire_every
+
+    @property
     def index_bytes(self) -> int:
         """Bytes held by the per-request indexes now (bounded by max_index_bytes)."""
         return self.pool.bytes
