@@ -32,7 +32,8 @@ from pathlib import Path
 
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.tokens import eos_ids, trim_at_eos
-from lookup_decode.engines.records import RecordError, id_of, max_new_tokens_of, messages_of, read_rows
+from lookup_decode.engines.records import (RecordError, id_of, max_new_tokens_of, messages_of, read_rows,
+                                           tokenized)
 
 
 @dataclass
@@ -193,19 +194,7 @@ class Engine:
         return chat_ids(self.tokenizer, messages)[0].tolist()
 
     def run(self, items: list[dict]) -> list[dict]:
-        ready, out = [], []
-        for item in items:
-            base = {"id": item["id"], "line": item["line"]}
-            try:
-                ids = self._ids(item["messages"])
-            except Exception as e:                              # noqa: BLE001  (the record's own error)
-                out.append({**base, "error": f"cannot tokenize: {type(e).__name__}: {e}"})
-                continue
-            n = item.get("max_new_tokens") or self.job.max_new_tokens
-            if self.context is not None and len(ids) >= self.context:
-                out.append({**base, "error": f"prompt has {len(ids)} tokens; the model's context is {self.context}"})
-                continue
-            ready.append((item, ids, int(n)))
+        ready, out = tokenized(items, self._ids, self.context, "the model's context", self.job.max_new_tokens)
         groups: dict[int, list] = {}                            # one max_new_tokens per generate call
         for r in ready:
             groups.setdefault(r[2], []).append(r)

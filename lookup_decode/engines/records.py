@@ -89,3 +89,23 @@ def max_new_tokens_of(row: dict) -> int | None:
     if not ok:
         raise RecordError(f"'max_new_tokens' must be an integer >= 1, got {n!r}")
     return int(n)
+
+
+def tokenized(items, tokenize, limit: int | None, limit_name: str, max_new_tokens: int):
+    """The batch job's pending records as prompts: (ready, errors). `ready` holds (item, token ids, max_new_tokens)
+    for each item (a dict with id, line, messages, maybe max_new_tokens) whose prompt `tokenize(messages)` makes
+    and whose prompt is shorter than `limit` tokens (None: no bound; `limit_name` names it in the error, e.g.
+    "the model's context"); `errors` holds an error record ({"id", "line", "error"}) for each other item."""
+    ready, errors = [], []
+    for item in items:
+        base = {"id": item["id"], "line": item["line"]}
+        try:
+            ids = tokenize(item["messages"])
+        except Exception as e:                              # noqa: BLE001  (the record's own error)
+            errors.append({**base, "error": f"cannot tokenize: {type(e).__name__}: {e}"})
+            continue
+        if limit is not None and len(ids) >= limit:
+            errors.append({**base, "error": f"prompt has {len(ids)} tokens; {limit_name} is {limit}"})
+            continue
+        ready.append((item, ids, int(item.get("max_new_tokens") or max_new_tokens)))
+    return ready, errors

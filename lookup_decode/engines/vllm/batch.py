@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from lookup_decode.core.tokens import eos_ids, trim_at_eos
+from lookup_decode.engines.records import tokenized
 
 DRAFTER = "lookup_decode.vllm.LookupDrafter"
 CPU_KV_CACHE_BYTES = 1 << 30      # on a CPU without --kv-cache-bytes: vLLM would ask for 92 % of the RAM
@@ -131,19 +132,11 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        out, live = [], {}                # live: vLLM request id -> (item, prompt ids)
-        for item in items:
+        live = {}                          # vLLM request id -> (item, prompt ids)
+        ready, out = tokenized(items, self._ids, self.max_model_len, "the engine's max_model_len",
+                               self.job.max_new_tokens)
+        for item, ids, n in ready:
             base = {"id": item["id"], "line": item["line"]}
-            try:
-                ids = self._ids(item["messages"])
-            except Exception as e:                              # noqa: BLE001  (the record's own error)
-                out.append({**base, "error": f"cannot tokenize: {type(e).__name__}: {e}"})
-                continue
-            if len(ids) >= self.max_model_len:
-                out.append({**base, "error": f"prompt has {len(ids)} tokens; the engine's max_model_len is "
-                                             f"{self.max_model_len}"})
-                continue
-            n = int(item.get("max_new_tokens") or self.job.max_new_tokens)
             params = SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(self.eos), detokenize=False,
                                     output_kind=RequestOutputKind.DELTA)
             request_id = f"lookup-decode-{next(self._requests)}"  # the id vLLM's outputs carry back
