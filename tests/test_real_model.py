@@ -116,7 +116,8 @@ def test_sampling_on_real_model_is_valid_and_keeps_drafts(real_model):
         torch.manual_seed(seed)
         stats = DecodeStats()
         out = lookup_decode.generate(model, ids, max_new_tokens=64, do_sample=True, temperature=0.5, top_p=0.95,
-                                     stats=stats, stop_strings=["```\n\n"], tokenizer=tokenizer)
+                                     stats=stats, stop_strings=["```\n\n"], tokenizer=tokenizer,
+                                     adaptive=False)   # whole drafts: the cost model's choice depends on the load
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         assert text.strip() and "\ufffd" not in text
         assert out.shape[1] - ids.shape[1] <= 64

@@ -178,7 +178,8 @@ def test_bucket_medians():
 
 # ------------------------------------------------------------------------------------- timelines
 
-@pytest.mark.parametrize("variant", [bench.PLAIN, bench.Variant("lookup_decode", lookup={"k": 8})])
+# adaptive off: the cost model's choice depends on this machine's load (a busy CI box drafted nothing useful)
+@pytest.mark.parametrize("variant", [bench.PLAIN, bench.Variant("lookup_decode", lookup={"k": 8, "adaptive": False})])
 def test_timeline_stamps_every_new_token(tiny_llama, variant):
     from transformers import StoppingCriteriaList
     ids = repetitive_prompt(0)
