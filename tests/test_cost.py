@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import lookup_decode
-from lookup_decode.core.cost import CACHE_ENV, QUICK_SIZES, SAVE_EVERY, CostCurve, CostModel, prior_seconds, shape_of
+from lookup_decode.core.cost import CACHE_ENV, QUICK_SIZES, SAVE_EVERY, CostCurve, CostModel, model_size, prior_seconds
 from lookup_decode.core.stats import DecodeStats
+from lookup_decode.core.step_cost import StepCost
 
 
 def linear(calls):
@@ -59,20 +60,20 @@ def test_a_curve_learns_from_its_own_rows_only():
 
 
 def test_prior_is_flat_on_a_gpu_and_steep_on_a_cpu():
-    shape = {"params": 1_200_000_000, "bytes_per_param": 2, "layers": 16, "vocab": 128256}
-    gpu = prior_seconds({**shape, "device": "cuda"}, np.array([1, 33, 129]))
-    cpu = prior_seconds({**shape, "bytes_per_param": 4, "device": "cpu"}, np.array([1, 33]))
+    size = {"params": 1_200_000_000, "bytes_per_param": 2, "layers": 16, "vocab": 128256}
+    gpu = prior_seconds({**size, "device": "cuda"}, np.array([1, 33, 129]))
+    cpu = prior_seconds({**size, "bytes_per_param": 4, "device": "cpu"}, np.array([1, 33]))
     assert gpu[1] / gpu[0] < 1.05          # 33 tokens cost what one does
     assert cpu[1] / cpu[0] > 3
 
 
-def test_shape_of_reads_the_config(tiny_llama):
-    s = shape_of(tiny_llama)
+def test_model_size_reads_the_config(tiny_llama):
+    s = model_size(tiny_llama)
     assert s["layers"] == tiny_llama.config.num_hidden_layers and s["vocab"] == tiny_llama.config.vocab_size
     assert s["params"] == sum(p.numel() for p in tiny_llama.parameters()) and s["device"] == "cpu"
 
 
-def test_curve_is_cached_on_disk_per_model_shape(tiny_llama, tmp_path):
+def test_curve_is_cached_on_disk_per_model_config(tiny_llama, tmp_path):
     first = CostModel(tmp_path)
     calls = []
     curve = first.curve(tiny_llama, 33, linear(calls))
@@ -81,7 +82,7 @@ def test_curve_is_cached_on_disk_per_model_shape(tiny_llama, tmp_path):
     def never(n):
         raise AssertionError("a cached curve must not be measured again")
     again = CostModel(tmp_path).curve(tiny_llama, 33, never)     # a new process, say
-    assert np.allclose(again.shape, curve.shape)
+    assert np.allclose(again.per_width, curve.per_width)
     # A different dtype is a different curve.
     other = CostModel(tmp_path)
     calls.clear()
@@ -162,3 +163,16 @@ def test_batch_calibration_times_three_widths_and_follows_them(tiny_llama, tmp_p
     calls.clear()
     CostModel(tmp_path, full=True).curve(tiny_llama, 33, linear(calls), rows=4)
     assert len(set(calls)) > 3
+
+
+def test_step_cost_fits_fixed_and_per_token_seconds():
+    """The docstring's example: steps of 10 and 30 tokens taking 0.12 s and 0.16 s -> token_cost 0.002 / 0.1."""
+    cost = StepCost(0.0)
+    cost.observe(10, 0.12)
+    assert cost.token_cost == 0.0                   # one step pins no line: the prior stands
+    for _ in range(100):
+        cost.observe(30, 0.16)
+        cost.observe(10, 0.12)
+    assert cost.token_cost == pytest.approx(0.02, rel=0.02)
+    with pytest.raises(ValueError):
+        StepCost(-1.0)

@@ -1,17 +1,18 @@
 """What a verify forward costs: seconds of one forward over `rows` rows of w tokens each, w = 1..max_w.
 
-The model it fits: a forward's time is a smooth function of its width, a *shape*, times a *scale* that
-drifts as the context grows. One `CostCurve` holds both for one number of rows. The shape comes from
-measurements, never from an assumption: on a CPU it is steep and not even monotone, on a GPU nearly flat
-up to tens of tokens. Every real step of the same rows refines it: the scale moves slowly (it shifts every
-width at once), the width just used faster. The draft policy only compares the costs of widths against
-each other, so the scale matters for modelled times (replays), not for choices.
+The model it fits: a forward's time is a smooth function of its width, the curve's seconds per width
+(`per_width`), times a *scale* that drifts as the context grows. One `CostCurve` holds both for one number
+of rows. The seconds per width come from measurements, never from an assumption: on a CPU they rise
+steeply and not even monotonically, on a GPU they are nearly flat up to tens of tokens. Every real step of
+the same rows refines the curve: the scale moves slowly (it shifts every width at once), the width just
+used faster. The draft policy only compares the costs of widths against each other, so the scale matters
+for modelled times (replays), not for choices.
 
 Two ways to build a curve besides its points (`CostCurve(widths, seconds, max_w)`):
 * `CostCurve.from_timings(seconds_of, max_w)`: time a grid of widths (SIZES);
-* `CostCurve.from_prior(prior, seconds_of, max_w)`: a prior shape (`prior_seconds`, from the model's
-  parameters, layers and device) corrected by a few timed widths (QUICK_SIZES): a cold start costs six
-  forwards, not a grid.
+* `CostCurve.from_prior(prior, seconds_of, max_w)`: a prior curve (`prior_seconds` of the model's size,
+  `model_size`: parameters, layers and device) corrected by a few timed widths (QUICK_SIZES): a cold start
+  costs six forwards, not a grid.
 
 `CostModel` owns the calibrations (thread-safe, per model, device, dtype and rows, forgotten with the
 model); every call of lookup decoding uses `COSTS` unless given another, and `COSTS.reset()` forgets. One
@@ -19,6 +20,9 @@ sequence shares one live curve across calls; a batch gets its own copy (its scal
 context's). Curves can persist on disk (`DiskCache`, opt-in: `$LOOKUP_DECODE_COST_CACHE`), off by default:
 a curve measured on a busy machine would persist, and one that prices drafts out is never corrected (a
 step that does not draft only re-times width 1; benchmarks/results/forced_replay/README.md).
+`sync` and `timed` are the device-aware clock that such timings (and the benchmarks') read.
+
+The cost of an engine step that lookup decoding does not run itself (vLLM's) is `core/step_cost.py`.
 
 Every error here is a ValueError.
 """
@@ -45,7 +49,7 @@ MIN_CALIBRATED = 33     # one sequence is calibrated at least this far, so a lat
 QUICK_SIZES = (1, 8, MIN_CALIBRATED)
 CACHE_ENV = "LOOKUP_DECODE_COST_CACHE"
 SAVE_EVERY = 64         # steps a live curve observes between two writes of it to the disk cache
-# Rough device figures for the prior (only the curve's shape matters: measured forwards set its scale).
+# Rough device figures for the prior (only how it grows with width matters: measured forwards set its scale).
 # bytes/s of weight reads, flop/s, seconds of fixed cost per layer and forward.
 DEVICE_PRIOR = {"cuda": (2.0e12, 3.0e14, 1.5e-5), "cpu": (1.5e10, 5.0e10, 3.0e-5)}
 
@@ -67,7 +71,7 @@ def timed(device, run: Callable[[], object]) -> float:
 
 
 class CostCurve:
-    """Seconds of one forward over `rows` rows of w tokens each, w = 1..max_w: a shape times a live scale.
+    """Seconds of one forward over `rows` rows of w tokens each, w = 1..max_w: `per_width` times a live scale.
 
     widths, seconds: measured points (int [m], float [m] > 0); widths in between are interpolated.
     Example: CostCurve([1, 9], [0.010, 0.018], 9)(5) -> 0.014.
@@ -79,8 +83,8 @@ class CostCurve:
         if len(widths) == 0 or len(widths) != len(seconds) or not np.all(seconds > 0):
             raise ValueError("a cost curve needs one positive number of seconds per measured width")
         self.max_w, self.rows = int(max_w), int(rows)
-        self.shape = np.interp(np.arange(self.max_w + 1), widths, seconds)  # [max_w + 1], index = width
-        self.shape[0] = np.inf          # a forward of no tokens is never a choice
+        self.per_width = np.interp(np.arange(self.max_w + 1), widths, seconds)  # [max_w + 1], index = width
+        self.per_width[0] = np.inf          # a forward of no tokens is never a choice
         self.scale = 1.0
         self.observed = self.saved_at = 0  # steps observed; the count when last written to disk
         self._lock = threading.Lock()     # one curve serves every call (and thread) on its model
@@ -89,7 +93,7 @@ class CostCurve:
     def from_timings(cls, seconds_of: Callable[[int], float], max_w: int, sizes=None, *, rows: int = 1) -> "CostCurve":
         """Time `seconds_of(w)` at every width of `sizes` up to max_w (default SIZES, and max_w itself)."""
         grid = sorted(set(sizes or [w for w in SIZES if w <= max_w]) | {max_w})
-        seconds_of(grid[-1])  # warm-up: first use of a shape allocates
+        seconds_of(grid[-1])  # warm-up: first use of a width allocates
         # Noise only ever adds time: the least of a few runs for the small widths the ratios hinge on.
         seconds = [min(seconds_of(w) for _ in range(3 if w == 1 else 2 if w == 2 else 1)) for w in grid]
         return cls(grid, seconds, max_w, rows=rows)
@@ -100,7 +104,7 @@ class CostCurve:
         """The prior (seconds float [max_w + 1], index = width) corrected by a few timed widths.
 
         sizes: the widths that may be timed (default all); the smallest, the largest and one near 8 are.
-        Between them the measured/prior ratio is interpolated, so the curve keeps the prior's shape.
+        Between them the measured/prior ratio is interpolated, so the curve keeps the prior's form.
         """
         allowed = sorted(s for s in (sizes or range(1, max_w + 1)) if s <= max_w)
         grid = sorted({allowed[0], allowed[-1], min(allowed, key=lambda s: abs(s - QUICK_SIZES[1]))})
@@ -116,17 +120,17 @@ class CostCurve:
     def __call__(self, w: int) -> float:
         if not 1 <= w <= self.max_w:
             raise ValueError(f"cost of width {w} asked, but the curve covers widths 1..{self.max_w}")
-        return float(self.shape[w] * self.scale)
+        return float(self.per_width[w] * self.scale)
 
     def prices(self, max_w: int) -> np.ndarray:
         """float64 [max_w]: the cost of widths 1..max_w, as __call__ gives them one by one."""
         if max_w > self.max_w:
             raise ValueError(f"cost of width {max_w} asked, but the curve covers widths 1..{self.max_w}")
-        return self.shape[1: max_w + 1] * self.scale
+        return self.per_width[1: max_w + 1] * self.scale
 
     def seconds(self) -> np.ndarray:
         """float64 [max_w + 1]: the curve as it stands (index = width; index 0 is inf)."""
-        return self.shape * self.scale
+        return self.per_width * self.scale
 
     def observe(self, rows: int, w: int, seconds: float) -> None:
         """Learn from a real forward of `rows` rows of width w. Another number of rows is another curve:
@@ -136,58 +140,15 @@ class CostCurve:
         with self._lock:
             self.observed += 1
             self.scale *= 1.0 + 0.25 * EMA * (seconds / self(w) - 1.0)
-            self.shape[w] += EMA * (seconds / self.scale - self.shape[w])
+            self.per_width[w] += EMA * (seconds / self.scale - self.per_width[w])
 
     def copy(self) -> "CostCurve":
         curve = CostCurve([1], [1.0], self.max_w, rows=self.rows)
-        curve.shape, curve.scale = self.shape.copy(), self.scale
+        curve.per_width, curve.scale = self.per_width.copy(), self.scale
         return curve
 
 
-class StepCost:
-    """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM): fixed +
-    per_token x tokens, fitted online from the steps it observes.
-
-    The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own
-    work included), and it knows how many tokens that step verified (each row's one token plus the draft it
-    sent). An exponentially weighted least-squares line through (tokens, seconds) gives both terms; until the
-    observed steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. Example: steps
-    of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms, token_cost 0.02.
-    """
-
-    def __init__(self, prior_token_cost: float = 0.02, *, prior_weight: float = 64.0, forget: float = 0.98):
-        if not prior_token_cost >= 0:
-            raise ValueError(f"prior_token_cost must be >= 0, got {prior_token_cost}")
-        self.prior, self.prior_weight, self.forget = float(prior_token_cost), float(prior_weight), float(forget)
-        self.sums = [0.0] * 5           # weighted sums of 1, x, y, x^2, x y (x: tokens, y: seconds); plain floats:
-        self.observed = 0               # this runs once per engine step, where numpy's call cost would dominate
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds > 0:
-            return
-        f = self.forget
-        w, x, y, xx, xy = self.sums
-        self.sums = [w * f + 1.0, x * f + tokens, y * f + seconds, xx * f + tokens * tokens, xy * f + tokens * seconds]
-        self.observed += 1
-
-    @property
-    def token_cost(self) -> float:
-        """per_token / fixed: what one more token adds to a step, relative to the step's fixed part (>= 0)."""
-        w, x, y, xx, xy = self.sums
-        if w < 2 or y <= 0:
-            return self.prior
-        sxx = xx - x * x / w                            # spread of the observed token counts
-        slope = (xy - x * y / w) / sxx if sxx > 1e-9 else 0.0
-        fixed = (y - slope * x) / w
-        if fixed <= 0 or slope < 0:                     # noise, or a line through a cloud: the prior stands
-            return self.prior
-        # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
-        # tokens say nothing about the slope.
-        trust = sxx / (sxx + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior
-
-
-def shape_of(model) -> dict:
+def model_size(model) -> dict:
     """What a forward's cost depends on: parameters, bytes per parameter, layers, vocabulary, device kind."""
     params = list(model.parameters())
     cfg = getattr(model, "config", None)
@@ -200,18 +161,18 @@ def shape_of(model) -> dict:
             "vocab": int(get("vocab_size") or 0), "device": params[0].device.type}
 
 
-def prior_seconds(shape: dict, n: np.ndarray) -> np.ndarray:
-    """A forward's cost over n tokens (all rows together) from the model's shape alone: max(weight reads,
-    flops) + launches.
+def prior_seconds(size: dict, n: np.ndarray) -> np.ndarray:
+    """A forward's cost over n tokens (all rows together) from the model's size alone (`model_size`): max(weight
+    reads, flops) + launches.
 
     On a GPU the weights' read time dominates up to hundreds of tokens (a flat curve); on a CPU the flops
     overtake it within a few tokens (a steep one). Example: 1.2e9 bf16 parameters on "cuda": reads
     1.2 ms, flops 8 us per token -> flat up to ~150 tokens.
     """
-    bandwidth, flops, per_layer = DEVICE_PRIOR.get(shape["device"], DEVICE_PRIOR["cpu"])
+    bandwidth, flops, per_layer = DEVICE_PRIOR.get(size["device"], DEVICE_PRIOR["cpu"])
     n = np.asarray(n, dtype=np.float64)
-    reads = shape["params"] * shape["bytes_per_param"] / bandwidth
-    return np.maximum(reads, 2.0 * shape["params"] * n / flops) + per_layer * shape["layers"]
+    reads = size["params"] * size["bytes_per_param"] / bandwidth
+    return np.maximum(reads, 2.0 * size["params"] * n / flops) + per_layer * size["layers"]
 
 
 class CostModel:
@@ -260,7 +221,7 @@ class CostModel:
                 elif self.full:
                     curve = CostCurve.from_timings(seconds_of, top, sizes, rows=rows)
                 else:
-                    prior = prior_seconds(shape_of(model), rows * np.arange(top + 1))
+                    prior = prior_seconds(model_size(model), rows * np.arange(top + 1))
                     curve = CostCurve.from_prior(prior, seconds_of, top, sizes, rows=rows)
                 self.disk.store(model, key, curve.seconds())
                 known[key] = curve
@@ -296,7 +257,7 @@ class CostModel:
 
 
 class DiskCache:
-    """Cost curves in files, one per (model shape, device, dtype, rows, bucketed, torch version).
+    """Cost curves in files, one per (model config, device, dtype, rows, bucketed, torch version).
 
     The model is identified by its config (architecture and sizes; weights do not change a forward's
     cost) and the device by name (a GPU's model, or the CPU's thread count). The folder is read at each

@@ -143,7 +143,7 @@ def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, st
                          [drafters[b] for b in rows.active], limits, forward.vocab)
     # 2. Choose one width for the forward: within it a row's extra draft tokens cost nothing more.
     n = policy.choose(fulls) - 1
-    drafts = [policy.fit(full, n, limit, forward.shapes) for full, limit in zip(fulls, limits)]
+    drafts = [policy.fit(full, n, limit, forward.draft_kind) for full, limit in zip(fulls, limits)]
     stats.proposer_s += time.perf_counter() - t
 
     # 3. Verify: one forward over [last token, draft] for every row; acceptance per row.

@@ -32,13 +32,13 @@ class Verified:
 class Forward(Protocol):
     """One model (or recording) verifying drafts for the rows of a `decode.Rows`.
 
-    Attributes: `shapes` ("chain", "tree", or "buckets" for compiled forwards: which drafts `policy.fit`
+    Attributes: `draft_kind` ("chain", "tree", or "buckets" for compiled forwards: which drafts `policy.fit`
     may send), `learns_cost` (its verify time is a real forward's, so the cost curve may learn from it),
     `vocab` (ids a draft may hold are below it; None: not checked), `model` (when learns_cost: the model
     whose cost curve `core.cost.CostModel` keeps).
     """
 
-    shapes: str
+    draft_kind: str
     learns_cost: bool
     vocab: int | None
     model: object

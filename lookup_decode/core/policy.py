@@ -156,18 +156,18 @@ class DraftPolicy:
         base = self.cost(n + 1)
         return max([m for m in range(n, self.cost.max_w) if self.cost(m + 1) <= base])
 
-    def fit(self, full: Draft, n: int, limit: int, shapes: str) -> Draft:
+    def fit(self, full: Draft, n: int, limit: int, draft_kind: str) -> Draft:
         """The draft to verify when the policy chose n tokens of `full`.
 
-        shapes: "chain" (the first n tokens), "tree" (a tree keeps the branches the cost curve gives
+        draft_kind: "chain" (the first n tokens), "tree" (a tree keeps the branches the cost curve gives
         for free), or "buckets" (a compiled forward: 1 + length rounded up to a size in BUCKETS that fits
         limit + 1, padded with more of the proposal, then with token 0 — a filler is almost always
         rejected, and verification keeps only what the model itself emits).
         Example (buckets): chain [5, 6, 7], n=2, limit=31 -> [5, 6, 7]; chain [5], n=1 -> [5]; n=0 -> [].
         """
-        if shapes == "tree":
+        if draft_kind == "tree":
             return full.cut(n, self.tree_budget(n) if n > 0 else 0)
-        if shapes == "chain":
+        if draft_kind == "chain":
             return full.cut(n)
         fitting = [b for b in BUCKETS if b - 1 <= limit]
         d = next((b for b in fitting if b >= n + 1), fitting[-1]) - 1

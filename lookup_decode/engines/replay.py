@@ -30,7 +30,7 @@ class RecordedForward:
     """The forward of a replay (`core.forward.Forward`): 'verifies' each draft against the recorded
     continuation of its row. There is no model: nothing to roll back, and no cost to measure."""
 
-    shapes = "chain"
+    draft_kind = "chain"
     learns_cost = False             # its time is not a model's: the policy's cost curve stays as given
     vocab = None                    # drafts are checked against the record, not a vocabulary
     model = None

@@ -3,7 +3,7 @@
 The decode loop (`core.decode`) is the same for one sequence, a batch and the offline replay; only the
 forward differs. These are the transformers forwards; each implements `core.forward.Forward` in full:
 `prefill(rows)`, `verify(rows, drafts) -> [Verified]`, `rollback(kept)`, `keep_rows(keep)` and
-`calibrate(rows, costs, k)`; `shapes` says which drafts it verifies ("tree", "chain", or "buckets" for
+`calibrate(rows, costs, k)`; `draft_kind` says which drafts it verifies ("tree", "chain", or "buckets" for
 compiled forwards), `learns_cost` that its time is a real forward's.
 
 * `SequenceForward`: one row, any cache `cache.py` can roll back (sliding windows, static caches with
@@ -118,7 +118,7 @@ class SequenceForward(_Model):
         # Trees only where they are exact (full-attention dynamic layers); elsewhere policy.fit verifies a
         # tree's first branch, a chain, so a tree drafter still gives plain's output.
         tree = input_name == "input_ids" and full_attention(cache, model)
-        self.shapes = "buckets" if self.bucketed else "tree" if tree else "chain"
+        self.draft_kind = "buckets" if self.bucketed else "tree" if tree else "chain"
         self._drafted = 0               # draft tokens the last verify sent (a chain)
         self._tree = None               # (past, accepted path, nodes) of the last verify, when it was a tree
 
@@ -176,7 +176,7 @@ class SequenceForward(_Model):
 class BatchForward(_Model):
     """Left-padded rows, one padded forward per step, ragged acceptance with masked hole columns."""
 
-    shapes = "chain"
+    draft_kind = "chain"
 
     def __init__(self, model, cache, logits_processor, attention_mask: torch.Tensor, *, do_sample: bool,
                  generator=None, rules: Rules = Rules(), hole_share: float = 0.25, min_holes: int = 32):

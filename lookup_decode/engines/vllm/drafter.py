@@ -15,7 +15,7 @@ So one call does, for all rows at once:
    reference documents: the longest match wins, as in `generate`), and price each draft token by its
    probability of being kept;
 3. choose how many tokens of each draft to send (`policy.ragged_lengths`): those that pay for their place in
-   the step, the cost of a token being learned from the time between calls (`cost.StepCost`), since vLLM calls
+   the step, the cost of a token being learned from the time between calls (`step_cost.StepCost`), since vLLM calls
    once per step;
 4. retire requests absent for `idle_steps` steps (their outputs go to the memory) and keep the indexes within
    `max_index_bytes`.
@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.core.cost import StepCost
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import ragged_lengths
 from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.step_cost import StepCost
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.vllm import cpu_fix
 from lookup_decode.engines.vllm.requests import RequestTable, fingerprints  # noqa: F401  (fingerprints: documented)
