@@ -94,42 +94,6 @@ def max_new_tokens_of(row: dict) -> int | None:
     return int(n)
 
 
-def tokenized(items, tokenizer, limit: int | None, limit_name: str, max_new_tokens: int):
-    """The batch job's pending records as prompts, the same for every engine: (ready, errors). `ready` holds
-    (item, token ids, max_new_tokens) for each item (a dict with id, line, messages, maybe max_new_tokens) whose
-    prompt the tokenizer makes (the model's chat template, `models.chat_ids`) and whose prompt is shorter than
-    `limit` tokens (None: no bound; `limit_name` names it in the error, e.g. "the model's context"); `errors` holds
-    an error record ({"id", "line", "error"}) for each other item."""
-    from lookup_decode.engines.hf.models import chat_ids
-    ready, errors = [], []
-    for item in items:
-        base = {"id": item["id"], "line": item["line"]}
-        try:
-            ids = chat_ids(tokenizer, item["messages"])[0].tolist()
-        except Exception as e:                              # noqa: BLE001  (the record's own error)
-            errors.append({**base, "error": f"cannot tokenize: {type(e).__name__}: {e}"})
-            continue
-        if limit is not None and len(ids) >= limit:
-            errors.append({**base, "error": f"prompt has {len(ids)} tokens; {limit_name} is {limit}"})
-            continue
-        ready.append((item, ids, int(item.get("max_new_tokens") or max_new_tokens)))
-    return ready, errors
-
-
-def output_record(item, prompt_ids, new: list[int], tokenizer, steps: int | None, worker: str, batch: int,
-                  seconds: float) -> dict:
-    """The output record of an item whose engine generated `new` (token ids, cut after the first EOS) in `steps`
-    verify steps (None: no lookup), in its `batch`-th generate call on `worker`, which took `seconds`."""
-    return {
-        "id": item["id"], "line": item["line"], "text": tokenizer.decode(new, skip_special_tokens=True),
-        "new_tokens": len(new), "prompt_tokens": len(prompt_ids),
-        # tokens per verify step, the bonus token included (the prefill's first token excluded)
-        "mean_accepted_length": None if steps is None else round((len(new) - 1) / steps, 4) if steps else 1.0,
-        "steps": steps, "worker": worker,
-        # the generate call (vLLM: the engine run) that made this record: its number on this worker and its seconds
-        "batch": batch, "batch_s": round(seconds, 4)}
-
-
 # ------------------------------------------------------------------------------------------ the job's input
 
 def key_of(record: dict) -> str:
@@ -164,3 +128,41 @@ def read_input(path: str | Path) -> list[dict]:
             else:
                 first[key] = item["line"]
     return items
+
+
+# ------------------------------------------------------------------------------ an engine's prompts and records
+
+def tokenized(items, tokenizer, limit: int | None, limit_name: str, max_new_tokens: int):
+    """The batch job's pending records as prompts, the same for every engine: (ready, errors). `ready` holds
+    (item, token ids, max_new_tokens) for each item (a dict with id, line, messages, maybe max_new_tokens) whose
+    prompt the tokenizer makes (the model's chat template, `models.chat_ids`) and whose prompt is shorter than
+    `limit` tokens (None: no bound; `limit_name` names it in the error, e.g. "the model's context"); `errors` holds
+    an error record ({"id", "line", "error"}) for each other item."""
+    from lookup_decode.engines.hf.models import chat_ids
+    ready, errors = [], []
+    for item in items:
+        base = {"id": item["id"], "line": item["line"]}
+        try:
+            ids = chat_ids(tokenizer, item["messages"])[0].tolist()
+        except Exception as e:                              # noqa: BLE001  (the record's own error)
+            errors.append({**base, "error": f"cannot tokenize: {type(e).__name__}: {e}"})
+            continue
+        if limit is not None and len(ids) >= limit:
+            errors.append({**base, "error": f"prompt has {len(ids)} tokens; {limit_name} is {limit}"})
+            continue
+        ready.append((item, ids, int(item.get("max_new_tokens") or max_new_tokens)))
+    return ready, errors
+
+
+def output_record(item, prompt_ids, new: list[int], tokenizer, steps: int | None, worker: str, batch: int,
+                  seconds: float) -> dict:
+    """The output record of an item whose engine generated `new` (token ids, cut after the first EOS) in `steps`
+    verify steps (None: no lookup), in its `batch`-th generate call on `worker`, which took `seconds`."""
+    return {
+        "id": item["id"], "line": item["line"], "text": tokenizer.decode(new, skip_special_tokens=True),
+        "new_tokens": len(new), "prompt_tokens": len(prompt_ids),
+        # tokens per verify step, the bonus token included (the prefill's first token excluded)
+        "mean_accepted_length": None if steps is None else round((len(new) - 1) / steps, 4) if steps else 1.0,
+        "steps": steps, "worker": worker,
+        # the generate call (vLLM: the engine run) that made this record: its number on this worker and its seconds
+        "batch": batch, "batch_s": round(seconds, 4)}
