@@ -28,6 +28,8 @@ __all__ = ["generate", "lookup_decoding", "decode", "step", "Rows", "Draft", "Dr
            "CorpusFileError"]
 __version__ = "0.1.0"
 
-from lookup_decode.engines.vllm.cpu_fix import survive_kernel_scan  # noqa: E402  (after numba is loaded)
+# Last, once the imports above have loaded numba: without it vLLM's CPU build cannot start an engine in this process,
+# and a script that imported lookup_decode may build one with vLLM's own `LLM`, where no code of ours runs later.
+from lookup_decode.engines.vllm.kernel_scan import survive_kernel_scan  # noqa: E402
 
 survive_kernel_scan()

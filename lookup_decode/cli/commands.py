@@ -149,7 +149,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args) -> int:
-    from lookup_decode.engines.pipeline import Job, run
+    from lookup_decode.engines.batch.job import Job, run
     _validate(args)
     for name in ("batch_size", "actors", "tensor_parallel_size"):
         if getattr(args, name) < 1:
@@ -170,7 +170,7 @@ def cmd_run(args) -> int:
               max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager or None)
     if job.engine == "vllm":
-        from lookup_decode.engines.vllm.batch import check_job
+        from lookup_decode.engines.batch.vllm import check_job
         try:
             check_job(job)
         except (ValueError, RuntimeError) as e:

@@ -1,5 +1,7 @@
-"""lookup_decode inside vLLM: the `custom_class` drafter (`drafter.LookupDrafter`), its settings, and batch jobs
-run through vLLM's offline `LLM` (`batch`). Importable without vLLM: nothing here imports it at module level."""
+"""lookup_decode inside vLLM: the `custom_class` drafter (`drafter.LookupDrafter`), the requests it follows
+(`requests`), its settings (`settings`), and two fixes for vLLM's CPU build: its sampling kernel (`cpu_fix`) and
+its kernel scan (`kernel_scan`). The batch job's vLLM engine is `engines.batch.vllm`. Importable without vLLM:
+nothing here imports it at module level."""
 
 from lookup_decode.engines.vllm.drafter import LookupDrafter, Settings
 

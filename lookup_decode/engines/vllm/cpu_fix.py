@@ -19,7 +19,6 @@ sys.modules fails on a torch object whose `vars()` is no dict.)
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
@@ -39,7 +38,8 @@ def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.T
 def _broken() -> bool:
     """Whether vLLM's expand (as the rejection sampler calls it) loses float values on this platform."""
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
-    got = expand_batch_to_tokens(torch.tensor([0.7, 0.25], dtype=torch.float32), torch.tensor([2, 5], dtype=torch.int32), 5)
+    got = expand_batch_to_tokens(torch.tensor([0.7, 0.25], dtype=torch.float32),
+                                 torch.tensor([2, 5], dtype=torch.int32), 5)
     return not torch.equal(got, torch.tensor([0.7, 0.7, 0.25, 0.25, 0.25], dtype=torch.float32))
 
 
@@ -68,19 +68,3 @@ def apply() -> bool:
                 "(temperature, top-p at draft positions); sampled requests now follow the model's distribution")
     return True
 
-
-def survive_kernel_scan() -> None:
-    """Let vLLM start in a process that imported numba (every process that imported lookup_decode: called at the end
-    of `lookup_decode/__init__.py`, so a script that imports the library first, or a second engine, still starts).
-
-    vLLM 0.32's CPU worker, before it loads the model, rebinds its Triton kernels to C++ ones by scanning every
-    module's globals and reading `vars(value).get("kernel")` of each that has a `__dict__`
-    (vllm/triton_utils/dispatcher.py `_rebind_kernels`). llvmlite's `binding.ffi.lib` (numba loads it) answers
-    any missing attribute, `__dict__` included, from its C library, with a wrapped C function: `LLM()` dies with
-    "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'". An empty `__dict__` in lib's own table of
-    names is what the scan then reads (nothing else asks lib for its `__dict__`).
-    """
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
-    if isinstance(table, dict):
-        table.setdefault("__dict__", {})

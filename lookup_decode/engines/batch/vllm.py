@@ -5,7 +5,7 @@
     lookup-decode run --engine vllm --model ./smollm2-hf --input docs.jsonl --output out.jsonl --ray --actors 2
 
 One `VllmEngine` per process (the driver without --ray, each Ray actor with it), built once and fed batch after
-batch: `run(items)` returns the records the transformers `pipeline.Engine` returns — same prompt (the model's
+batch: `run(items)` returns the records the transformers engine (`hf.HfEngine`) returns — same prompt (the model's
 chat template through `models.chat_ids`, handed to vLLM as token ids, so both engines see the same tokens), greedy,
 cut after the first EOS — and an error record for a record that cannot run (a prompt of max_model_len tokens or
 more, one vLLM refuses). A failure of the engine itself (not of one record) raises: the job stops and a rerun
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from lookup_decode.core.tokens import eos_ids, trim_at_eos
-from lookup_decode.engines.records import tokenized
+from lookup_decode.engines.batch.records import output_record, tokenized
 
 DRAFTER = "lookup_decode.vllm.LookupDrafter"
 CPU_KV_CACHE_BYTES = 1 << 30      # on a CPU without --kv-cache-bytes: vLLM would ask for 92 % of the RAM
@@ -100,7 +100,7 @@ def llm_kwargs(job, cpu: bool) -> dict:
 
 
 class VllmEngine:
-    """One vLLM engine in this process; `run(items)` turns work items into output records like `pipeline.Engine`."""
+    """One vLLM engine in this process; `run(items)` turns work items into output records like `hf.HfEngine`."""
 
     def __init__(self, job):
         check_job(job)
@@ -124,16 +124,12 @@ class VllmEngine:
         self.batches = 0                  # run calls that generated something
         self._requests = itertools.count()
 
-    def _ids(self, messages) -> list[int]:
-        from lookup_decode.engines.hf.models import chat_ids
-        return chat_ids(self.tokenizer, messages)[0].tolist()
-
     def run(self, items: list[dict]) -> list[dict]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         live = {}                          # vLLM request id -> (item, prompt ids)
-        ready, out = tokenized(items, self._ids, self.max_model_len, "the engine's max_model_len",
+        ready, out = tokenized(items, self.tokenizer, self.max_model_len, "the engine's max_model_len",
                                self.job.max_new_tokens)
         for item, ids, n in ready:
             base = {"id": item["id"], "line": item["line"]}
@@ -179,21 +175,9 @@ class VllmEngine:
                 pass
             raise
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
-        records = []
-        for rid, (item, ids) in live.items():
-            new = trim_at_eos(tokens[rid], self.eos).tolist()
-            n_steps = None if self.job.plain else max(steps[rid], 0)
-            records.append({
-                "id": item["id"], "line": item["line"],
-                "text": self.tokenizer.decode(new, skip_special_tokens=True),
-                "new_tokens": len(new), "prompt_tokens": len(ids),
-                # tokens per verify step, the bonus token included (the prefill's first token excluded)
-                "mean_accepted_length": (None if n_steps is None else
-                                         round((len(new) - 1) / n_steps, 4) if n_steps else 1.0),
-                "steps": n_steps, "worker": self.worker,
-                # the engine run that made this record: its number on this worker and its seconds
-                "batch": self.batches, "batch_s": round(seconds, 4)})
-        return records
+        return [output_record(item, ids, trim_at_eos(tokens[rid], self.eos).tolist(), self.tokenizer,
+                              None if self.job.plain else max(steps[rid], 0), self.worker, self.batches, seconds)
+                for rid, (item, ids) in live.items()]
 
 
 def _eos(folder: str) -> list[int]:

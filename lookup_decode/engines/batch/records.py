@@ -5,7 +5,9 @@
 
 `prompt` is sent as the user message through the chat template; `messages` are chat messages as they are.
 `id` (a string or an integer) and `max_new_tokens` (an integer >= 1) are read by the batch job; bench needs
-neither. Each function raises `RecordError` naming the field that is wrong.
+neither. Each function raises `RecordError` naming the field that is wrong. `read_input` turns a whole file into
+the job's work items and error records; `key_of` is a record's identity in the input and the output. An engine
+turns work items into prompts with `tokenized` and what it generated into output records with `output_record`.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def messages_of(row) -> list[dict]:
             raise RecordError("'messages' must be a non-empty list of {\"role\": str, \"content\": str}")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise RecordError(f"each of 'messages' must be an object with string 'role' and 'content': messages[{i}] is not")
+                raise RecordError("each of 'messages' must be an object with string 'role' and 'content': "
+                                  f"messages[{i}] is not")
         return [{"role": m["role"], "content": m["content"]} for m in messages]
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt.strip():
@@ -91,16 +94,56 @@ def max_new_tokens_of(row: dict) -> int | None:
     return int(n)
 
 
-def tokenized(items, tokenize, limit: int | None, limit_name: str, max_new_tokens: int):
-    """The batch job's pending records as prompts: (ready, errors). `ready` holds (item, token ids, max_new_tokens)
-    for each item (a dict with id, line, messages, maybe max_new_tokens) whose prompt `tokenize(messages)` makes
-    and whose prompt is shorter than `limit` tokens (None: no bound; `limit_name` names it in the error, e.g.
-    "the model's context"); `errors` holds an error record ({"id", "line", "error"}) for each other item."""
+# ------------------------------------------------------------------------------------------ the job's input
+
+def key_of(record: dict) -> str:
+    """Identity of an output/input record: its id, else (no id could be read) its line."""
+    return "id:" + json.dumps(record["id"], sort_keys=True) if "id" in record else f"line:{record['line']}"
+
+
+def _validate(row, line: int) -> dict:
+    """A work item {"id", "line", "messages", "max_new_tokens"} or an error record {"id"?, "line", "error"}."""
+    out = {"line": line}
+    try:
+        if not isinstance(row, dict):
+            messages_of(row)                         # names what it got
+        out["id"] = id_of(row)
+        return {**out, "messages": messages_of(row), "max_new_tokens": max_new_tokens_of(row)}
+    except RecordError as e:
+        return {**out, "error": str(e)}
+
+
+def read_input(path: str | Path) -> list[dict]:
+    """Work items and error records for every record of a JSONL or Parquet file (`read_rows`; line =
+    1-based line or row number). Duplicate ids: the later ones are errors."""
+    items = [{"line": i, "error": str(row)} if isinstance(row, RecordError) else _validate(row, i)
+             for i, row in read_rows(path)]
+    first = {}
+    for j, item in enumerate(items):
+        if "id" in item:
+            key = key_of(item)
+            if key in first:
+                # keyed by its line, not its id: the first record with this id must still run
+                items[j] = {"line": item["line"], "error": f"duplicate id {item['id']!r} (first at line {first[key]})"}
+            else:
+                first[key] = item["line"]
+    return items
+
+
+# ------------------------------------------------------------------------------ an engine's prompts and records
+
+def tokenized(items, tokenizer, limit: int | None, limit_name: str, max_new_tokens: int):
+    """The batch job's pending records as prompts, the same for every engine: (ready, errors). `ready` holds
+    (item, token ids, max_new_tokens) for each item (a dict with id, line, messages, maybe max_new_tokens) whose
+    prompt the tokenizer makes (the model's chat template, `models.chat_ids`) and whose prompt is shorter than
+    `limit` tokens (None: no bound; `limit_name` names it in the error, e.g. "the model's context"); `errors` holds
+    an error record ({"id", "line", "error"}) for each other item."""
+    from lookup_decode.engines.hf.models import chat_ids
     ready, errors = [], []
     for item in items:
         base = {"id": item["id"], "line": item["line"]}
         try:
-            ids = tokenize(item["messages"])
+            ids = chat_ids(tokenizer, item["messages"])[0].tolist()
         except Exception as e:                              # noqa: BLE001  (the record's own error)
             errors.append({**base, "error": f"cannot tokenize: {type(e).__name__}: {e}"})
             continue
@@ -109,3 +152,17 @@ def tokenized(items, tokenize, limit: int | None, limit_name: str, max_new_token
             continue
         ready.append((item, ids, int(item.get("max_new_tokens") or max_new_tokens)))
     return ready, errors
+
+
+def output_record(item, prompt_ids, new: list[int], tokenizer, steps: int | None, worker: str, batch: int,
+                  seconds: float) -> dict:
+    """The output record of an item whose engine generated `new` (token ids, cut after the first EOS) in `steps`
+    verify steps (None: no lookup), in its `batch`-th generate call on `worker`, which took `seconds`."""
+    return {
+        "id": item["id"], "line": item["line"], "text": tokenizer.decode(new, skip_special_tokens=True),
+        "new_tokens": len(new), "prompt_tokens": len(prompt_ids),
+        # tokens per verify step, the bonus token included (the prefill's first token excluded)
+        "mean_accepted_length": None if steps is None else round((len(new) - 1) / steps, 4) if steps else 1.0,
+        "steps": steps, "worker": worker,
+        # the generate call (vLLM: the engine run) that made this record: its number on this worker and its seconds
+        "batch": batch, "batch_s": round(seconds, 4)}
