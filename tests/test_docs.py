@@ -27,8 +27,8 @@ MAX_README_LINES = 250
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})[^\n]*\n.*?^ {0,3}\1[ \t]*$", re.M | re.S)
 HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-MODULE = re.compile(r"\bpython3? -m ((?:benchmarks|tests\.stress|lookup_decode)(?:\.\w+)*)(?=[\s`'\")\]]|$)")
-SCRIPT = re.compile(r"(?:^|[\s`(])(?:bash|python3?) ((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", re.M)
+MODULE = re.compile(r"\bpython3?\s+-m\s+((?:benchmarks|tests\.stress|lookup_decode)(?:\.\w+)*)(?=[\s`'\")\]]|$)")
+SCRIPT = re.compile(r"(?:^|[\s`(])(?:bash|python3?)\s+((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", re.M)
 CLI = re.compile(r"\blookup-decode[ \t]+([a-z][\w-]*)([^\n`]*)")
 
 
@@ -44,8 +44,8 @@ def _prose(text: str) -> str:
 def _code(text: str) -> list[str]:
     """Every fenced block (continuation lines joined) and inline code span: where commands are written."""
     blocks = [m.group(0).replace("\\\n", " ") for m in FENCE.finditer(text)]
-    spans = re.findall(r"(?<!`)`([^`\n]+)`(?!`)", _prose(text))
-    return blocks + spans
+    spans = re.findall(r"(?<!`)`((?:[^`\n]|\n(?![ \t]*\n))+)`(?!`)", _prose(text))   # within a paragraph
+    return blocks + [span.replace("\n", " ") for span in spans]
 
 
 def slug(heading: str) -> str:
