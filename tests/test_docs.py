@@ -24,11 +24,11 @@ DOCS = ROOT / "docs"
 PAGES = [README, ROOT / "ARCHITECTURE.md", *sorted(DOCS.glob("*.md"))]
 MAX_README_LINES = 250
 
-FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})[^\n]*\n.*?^ {0,3}\1[ \t]*$", re.M | re.S)
-HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})[^\n]*\n.*?^ {0,3}\1[ \t]*$", re.MULTILINE | re.DOTALL)
+HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 MODULE = re.compile(r"\bpython3?\s+-m\s+((?:benchmarks|tests\.stress|lookup_decode)(?:\.\w+)*)(?=[\s`'\")\]]|$)")
-SCRIPT = re.compile(r"(?:^|[\s`(])(?:bash|python3?)\s+((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", re.M)
+SCRIPT = re.compile(r"(?:^|[\s`(])(?:bash|python3?)\s+((?:[\w.-]+/)+[\w.-]+\.(?:sh|py))\b", re.MULTILINE)
 CLI = re.compile(r"\blookup-decode[ \t]+([a-z][\w-]*)([^\n`]*)")
 
 
@@ -99,7 +99,7 @@ def test_slug_follows_github():
 def test_relative_links_resolve(page):
     broken = []
     for target in links(page):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):             # http:, https:, mailto:
+        if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):             # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page.resolve()
@@ -171,7 +171,7 @@ def test_readme_names_its_commands():
 
 def test_options_page_lists_every_cli_option():
     text = _prose(_text(DOCS / "options.md"))
-    sections = dict(re.findall(r"^### `lookup-decode ([\w-]+)`\n(.*?)(?=^#{1,3} |\Z)", text, re.M | re.S))
+    sections = dict(re.findall(r"^### `lookup-decode ([\w-]+)`\n(.*?)(?=^#{1,3} |\Z)", text, re.MULTILINE | re.DOTALL))
     for command, flags in _parser_options().items():
         assert command in sections, f"docs/options.md has no section for lookup-decode {command}"
         documented = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", sections[command]))
@@ -244,6 +244,6 @@ def test_readme_vllm_table_matches_the_engine_results():
     methods = header[2:-1]                                            # workload, batch, methods..., tok/step
     for workload, batch, *cells in short:
         rows = {(r[0], r[1]): r for r in _table(engine, f"## {workload}")[1]}
-        for method, cell in zip(methods, cells):
+        for method, cell in zip(methods, cells[:-1], strict=True):
             assert cell == rows[(batch, method)][2], (workload, batch, method, "tok/s")
         assert cells[-1] == rows[(batch, "lookup_decode")][4], (workload, batch, "tok/step")
