@@ -1,8 +1,9 @@
-"""Write the README's model compatibility table from the coverage tests' results (never by hand).
+"""Write the model compatibility table of docs/models-and-caches.md from the coverage tests' results (never by hand).
 
-    python3 scripts/compat_table.py                 # runs the coverage tests (~1.5 min on 2 CPU cores), updates README.md
+    python3 scripts/compat_table.py                 # runs the coverage tests (~1.5 min on 2 CPU cores), writes the page
     python3 scripts/compat_table.py --junit r.xml   # builds the table from an existing pytest --junitxml report
-    python3 scripts/compat_table.py --print         # prints the table instead of writing README.md
+    python3 scripts/compat_table.py --print         # prints the table instead of writing the page
+    python3 scripts/compat_table.py --page PATH     # writes into another page (between the same markers)
 
 Each coverage test's id starts with the family name (tests/tiny_models.py); the test function says
 which column it fills. A cell is "yes" when every test behind it passed, "refused" when the test
@@ -25,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TEST_FILES = ["tests/test_model_coverage.py", "tests/test_encoder_decoder.py", "tests/test_static_cache.py",
               "tests/test_dtypes.py"]
+PAGE = ROOT / "docs" / "models-and-caches.md"      # the page that shows the table
 START, END = "<!-- compat-table:start -->", "<!-- compat-table:end -->"
 
 # test function -> (column, family when the test has no family parameter, True if passing means "refused")
@@ -113,20 +115,22 @@ def table(cells: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str, readme: Path) -> None:
-    content = readme.read_text()
+def write_page(text: str, page: Path) -> None:
+    """Replace the table between START and END (markers kept) in `page`."""
+    content = page.read_text()
     if START not in content or END not in content:
-        raise SystemExit(f"{readme} has no {START} ... {END} block to fill")
+        raise SystemExit(f"{page} has no {START} ... {END} block to fill")
     head, rest = content.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    page.write_text(f"{head}{START}\n{text}\n{END}{tail}")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--junit", type=Path, help="existing pytest --junitxml report (default: run the tests)")
-    parser.add_argument("--print", action="store_true", help="print the table instead of writing README.md")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--print", action="store_true", help="print the table instead of writing the page")
+    parser.add_argument("--page", "--readme", dest="page", type=Path, default=PAGE,
+                        help=f"the page to write the table into (default {PAGE.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     junit = args.junit
     if junit is None:
@@ -136,8 +140,8 @@ def main(argv=None) -> None:
     if args.print:
         print(text)
     else:
-        write_readme(text, args.readme)
-        print(f"wrote the compatibility table into {args.readme}")
+        write_page(text, args.page)
+        print(f"wrote the compatibility table into {args.page}")
 
 
 if __name__ == "__main__":
