@@ -1,11 +1,16 @@
-"""Shared fixtures: tiny random-weight models (fast, CPU, float32) and the real default model (once per session)."""
+"""Shared fixtures and helpers: tiny random-weight models (from tests/tiny_models.py, the one factory), the real
+default model (once per session), prompts, and lookup decoding priced flat (`FlatCosts`, `lookup_generate`)."""
+
+import dataclasses
+import inspect
 
 import numpy as np
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import CORE, VOCAB, build
 
-VOCAB = 96
+import lookup_decode
+from lookup_decode.core.cost import CostCurve, CostModel
 
 
 @pytest.fixture(autouse=True)
@@ -20,47 +25,15 @@ def _threads(request):
     the other core makes OpenMP spin); two for the real model."""
     torch.set_num_threads(2 if "real_model" in request.fixturenames else 1)
 
-# A larger init spreads the logits of a random model apart, so greedy choices are not near-ties
-# that a different matmul shape (one token vs a verified block) could flip.
-_INIT = 0.1
 
-
-def _llama():
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=_INIT, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2))
-
-
-def _gpt2():
-    return GPT2LMHeadModel(GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=1024, initializer_range=_INIT,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2))
-
-
-def _qwen2():
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=_INIT, use_sliding_window=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2))
-
-
-TINY_ARCHS = {"llama": _llama, "gpt2": _gpt2, "qwen2": _qwen2}
-
-
-def make_tiny(arch: str, seed: int = 0):
-    torch.manual_seed(seed)
-    return TINY_ARCHS[arch]().eval()
-
-
-@pytest.fixture(scope="session", params=sorted(TINY_ARCHS))
+@pytest.fixture(scope="session", params=CORE)
 def tiny_lm(request):
-    return make_tiny(request.param)
+    return build(request.param)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    return make_tiny("llama")
+    return build("llama")
 
 
 def repetitive_prompt(seed: int, length: int = 24, repeats: int = 3) -> torch.Tensor:
@@ -74,10 +47,50 @@ def repetitive_prompt(seed: int, length: int = 24, repeats: int = 3) -> torch.Te
 @pytest.fixture(scope="session")
 def real_model():
     """(model, tokenizer) of the default SmolLM2-135M-Instruct, loaded once (about 30 s)."""
-    import lookup_decode
     return lookup_decode.load_model()
 
 
 def chat_ids(tokenizer, text: str) -> torch.Tensor:
     from lookup_decode.engines.hf.models import chat_ids as template_ids
     return template_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+# ------------------------------------------------------------------ the adaptive path, priced flat
+
+class FlatCurve(CostCurve):
+    """Every width costs the same, whatever forwards are then observed (a real curve learns from each step)."""
+
+    def __init__(self, max_w: int, rows: int = 1):
+        super().__init__([1], [1.0], max_w, rows=rows)
+
+    def observe(self, rows: int, w: int, seconds: float) -> None:
+        pass
+
+
+class FlatCosts(CostModel):
+    """A cost model for exactness tests on the adaptive path: it calibrates as `CostModel` does (the timing
+    forwards run and are rolled back), then prices every width the same and keeps it so. The policy still
+    chooses each draft length from what it learns of acceptance, but no draft is priced out by this machine's
+    load (a busy CI box timed one that way and verified nothing), so the test can assert that drafts were kept."""
+
+    def curve(self, model, max_w, seconds_of, **kw) -> CostCurve:
+        measured = super().curve(model, max_w, seconds_of, **kw)
+        return FlatCurve(measured.max_w, measured.rows)
+
+
+# What lookup_decode.lookup_decoding binds: its own keywords (stats, proposer, memory, ...) and LookupConfig's.
+_HOOK_OPTIONS = ({*inspect.signature(lookup_decode.lookup_decoding).parameters} - {"config", "options", "costs"}) | {
+    f.name for f in dataclasses.fields(lookup_decode.LookupConfig)}
+
+
+def lookup_generate(model, inputs, *, costs: CostModel | None = None, **kw):
+    """model.generate(inputs, **kw) with lookup decoding; kw mixes lookup options (k, min_match, adaptive, stats,
+    proposer, memory, ...) with generate()'s own, as `custom_generate=lookup_decode.generate` takes them.
+
+    costs (a CostModel, e.g. FlatCosts()): bind the lookup options to `lookup_decode.lookup_decoding(costs=...)`
+    instead, the hook that takes a cost model; generate() gets the rest.
+    """
+    if costs is None:
+        return model.generate(inputs, custom_generate=lookup_decode.generate, **kw)
+    options = {name: kw.pop(name) for name in _HOOK_OPTIONS & kw.keys()}
+    return model.generate(inputs, custom_generate=lookup_decode.lookup_decoding(costs=costs, **options), **kw)

@@ -6,7 +6,7 @@ import pytest
 import test_sampling as ts
 import tiny_models
 import torch
-from conftest import TINY_ARCHS, VOCAB, chat_ids, make_tiny, repetitive_prompt
+from conftest import VOCAB, FlatCosts, chat_ids, lookup_generate, repetitive_prompt
 from test_sampling import model  # noqa: F401  (the vocabulary-6 sampling model fixture)
 
 import lookup_decode
@@ -54,14 +54,17 @@ def plain_batch(model, ids, mask, max_new_tokens, **kw):
 
 
 def lookup_batch(model, ids, mask, max_new_tokens, stats, **kw):
-    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
-                          custom_generate=lookup_decode.generate, stats=stats, min_match=1, **kw)
+    """Batched lookup decoding on the adaptive path, priced flat (conftest.FlatCosts: calibrated as usual, but no
+    draft is priced out by the load, so the guards on accepted drafts hold); kw: lookup and generate() options."""
+    kw.setdefault("costs", FlatCosts())
+    return lookup_generate(model, ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                           pad_token_id=0, stats=stats, min_match=1, **kw)
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+@pytest.mark.parametrize("arch", tiny_models.CORE)
 @pytest.mark.parametrize("batch", [1, 2, 5, 8])
 def test_batch_equals_plain_batched_generate_and_each_row_alone(arch, batch):
-    model = make_tiny(arch)
+    model = tiny_models.build(arch)
     prompts = mixed_prompts(batch, seed=batch)
     ids, mask = left_pad(prompts)
     stats = DecodeStats()
@@ -76,9 +79,9 @@ def test_batch_equals_plain_batched_generate_and_each_row_alone(arch, batch):
     assert stats.accepted > 0, "guard: drafts were accepted in at least one row"
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+@pytest.mark.parametrize("arch", tiny_models.CORE)
 def test_rows_that_stop_early_are_padded_like_plain_generate(arch):
-    model = make_tiny(arch)
+    model = tiny_models.build(arch)
     prompts = mixed_prompts(5, seed=7)
     ids, mask = left_pad(prompts)
     free, _ = plain_batch(model, ids, mask, 40, eos_token_id=None)
@@ -195,7 +198,8 @@ def test_real_model_batch_equals_plain_batched_generate(real_model):
     ref = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True, **kw)
     logits = torch.stack(ref.logits, 1)
     stats = DecodeStats()
-    ours = model.generate(ids, attention_mask=mask, custom_generate=lookup_decode.generate, stats=stats, **kw)
+    # adaptive, priced flat (no draft priced out by the load); k=8 keeps the widths a CPU verifies cheaply
+    ours = lookup_generate(model, ids, attention_mask=mask, stats=stats, costs=FlatCosts(), k=8, **kw)
     P = ids.shape[1]
     assert ours.shape == ref.sequences.shape
     for b in range(len(texts)):

@@ -2,26 +2,24 @@
 
 import pytest
 import torch
-from conftest import make_tiny, repetitive_prompt
-from test_sampling import CONFIGS, PROMPT, L, V, exact_joint, sample_counts
+from conftest import repetitive_prompt
+from test_sampling import CONFIGS, NARROW, PROMPT, L, V, exact_joint, sample_counts
 from test_verify import ALPHA, chi_square_pvalue
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import build
 
 import lookup_decode
 from lookup_decode import DecodeStats, DraftModelProposer
 from lookup_decode.core.verify import Rules
 
 
-def tiny_llama(vocab, seed, init=0.3, hidden=16):
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=256, initializer_range=init, pad_token_id=None,
-        bos_token_id=None, eos_token_id=None)).eval()
+def tiny_llama(vocab, seed, device="cpu"):
+    """A 1-layer draft model of the sampling tests' narrow Llama (test_sampling.NARROW) over `vocab` tokens."""
+    return build("llama", seed, device=device, **{**NARROW, "vocab_size": vocab}, num_hidden_layers=1,
+                 max_position_embeddings=256)
 
 
 def test_same_model_as_draft_accepts_everything_greedy():
-    target = make_tiny("llama", seed=2)
+    target = build("llama", seed=2)
     prompt = repetitive_prompt(3)
     ref = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     stats = DecodeStats()
@@ -33,8 +31,8 @@ def test_same_model_as_draft_accepts_everything_greedy():
 
 
 def test_other_draft_model_greedy_is_exact():
-    target = make_tiny("llama", seed=2)
-    draft_model = make_tiny("llama", seed=3)
+    target = build("llama", seed=2)
+    draft_model = build("llama", seed=3)
     prompt = repetitive_prompt(4)
     ref = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     stats = DecodeStats()
@@ -93,8 +91,7 @@ def test_draft_model_with_another_vocabulary_is_refused(target):
 
 
 def test_draft_model_on_another_device_is_refused(target):
-    with torch.device("meta"):
-        elsewhere = tiny_llama(V, seed=1)
+    elsewhere = tiny_llama(V, seed=1, device="meta")
     with pytest.raises(ValueError, match="draft model is on meta"):
         target.generate(PROMPT, max_new_tokens=4, do_sample=True, custom_generate=lookup_decode.generate,
                         proposer=DraftModelProposer(elsewhere))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import VOCAB, repetitive_prompt
-from transformers import MambaConfig, MambaForCausalLM
+from tiny_models import build
 
 import lookup_decode
 from lookup_decode import UnsupportedCacheError
@@ -78,8 +78,7 @@ def test_bad_options(tiny_llama, option, value, message):
 
 def test_recurrent_cache_refused():
     # Sliding-window caches now roll back (tests/test_model_coverage.py); a recurrent state cannot.
-    torch.manual_seed(0)
-    model = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2)).eval()
+    model = build("mamba")
     with pytest.raises(UnsupportedCacheError, match="MambaForCausalLM.*LinearAttentionLayer"):
         hooked(model, repetitive_prompt(0))
 

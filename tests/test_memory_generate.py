@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, chat_ids, repetitive_prompt
+from conftest import VOCAB, FlatCosts, chat_ids, lookup_generate, repetitive_prompt
 
 import lookup_decode
 from lookup_decode import DecodeStats, Memory, References
@@ -29,8 +29,9 @@ def test_memory_equals_plain_greedy_and_is_used(tiny_lm, adaptive):
     for rounds in range(2):                     # the second round re-asks what the first produced
         for prompt in prompts:
             ref = tiny_lm.generate(prompt, max_new_tokens=40, **GREEDY)
-            got = tiny_lm.generate(prompt, max_new_tokens=40, **GREEDY, custom_generate=lookup_decode.generate,
-                                   memory=memory, adaptive=adaptive)
+            # adaptive: priced flat (conftest.FlatCosts), so no draft from memory is priced out by the load
+            got = lookup_generate(tiny_lm, prompt, max_new_tokens=40, **GREEDY, memory=memory, adaptive=adaptive,
+                                  costs=FlatCosts() if adaptive else None)
             assert got.tolist() == ref.tolist()
     assert len(memory) == 3                    # one entry per distinct output
     assert accepted_from(memory) > 0           # guard: drafts from memory were verified and kept
@@ -65,12 +66,15 @@ def test_references_equal_plain_greedy_and_are_used(tiny_lm):
 def test_memory_and_references_with_repetitive_prompts(tiny_lm):
     memory, refs = Memory(max_tokens=2_000), References()
     refs.register("r", tokens=repetitive_prompt(1)[0])
+    stats = DecodeStats()
     for seed in range(4):
         prompt = repetitive_prompt(seed)
         ref = tiny_lm.generate(prompt, max_new_tokens=32, **GREEDY)
-        got = lookup_decode.generate(tiny_lm, prompt, max_new_tokens=32, memory=memory, references=refs,
-                                     k=8, **GREEDY)
+        # the adaptive path, priced flat: no draft is priced out by the load
+        got = lookup_generate(tiny_lm, prompt, max_new_tokens=32, memory=memory, references=refs, k=8, stats=stats,
+                              costs=FlatCosts(), **GREEDY)
         assert got.tolist() == ref.tolist()
+    assert stats.accepted > 0                  # guard: drafts were verified and kept
 
 
 def test_sampling_with_memory_draws_the_same_sample(tiny_llama):
@@ -178,7 +182,8 @@ def test_chat_loop_keeps_one_memory_across_turns(tiny_llama, tmp_path):
     lines = ["tell me a story", "tell me a story", "/reset", "tell me a story", "/exit", "never read"]
     err = io.StringIO()
     messages = chat_loop(tiny_llama, CharTokenizer(), lines, memory, max_new_tokens=16, out=io.StringIO(), err=err,
-                         pad_token_id=0, eos_token_id=None)
+                         pad_token_id=0, eos_token_id=None,
+                         adaptive=False)   # whole drafts: the cost model's choice depends on the load
     assert [m["role"] for m in messages] == ["user", "assistant"]      # /reset started a new conversation
     assert len(memory) >= 1 and err.getvalue().count("mean accepted length") == 3
     assert accepted_from(memory) > 0          # the repeated first turn after /reset drafted from memory

@@ -12,9 +12,9 @@ import itertools
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
 from test_verify import ALPHA, chi_square_pvalue
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import lookup_decode
 from lookup_decode import DecodeStats
@@ -25,13 +25,14 @@ V, L, N = 6, 3, 2000
 PROMPT = torch.tensor([[1, 2, 3, 2, 5, 0, 0, 0, 0, 1, 2, 3, 2, 5]])
 
 
+# The tiny Llama narrowed to V tokens (no special ids), so every outcome of L tokens can be enumerated.
+NARROW = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+              initializer_range=0.3, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3, pad_token_id=None,
-        bos_token_id=None, eos_token_id=None)).eval()
+    return tiny_models.build("llama", max_position_embeddings=64, **NARROW)
 
 
 def processors_for(model, **gen_kwargs):

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, make_tiny
+from conftest import VOCAB
+from tiny_models import build
 
 import lookup_decode
 from lookup_decode import DecodeStats
@@ -57,7 +58,7 @@ def branching_prompt(seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_tree_greedy_equals_plain_generate(arch):
-    model = make_tiny(arch)
+    model = build(arch)
     stats = DecodeStats()
     for seed in range(6):
         prompt = branching_prompt(seed)

@@ -1,8 +1,13 @@
-"""Tiny random-weight configs of the model families users run (CPU, float32, a few ms per forward).
+"""The one factory of tiny random-weight models for tests (CPU, float32, a few ms per forward).
 
-One builder per family; `build(name, seed)` returns a model in eval mode. Sizes follow conftest.py
-(vocabulary 96, hidden 32, 2 layers, init 0.1 so greedy choices are rarely near-ties). Used by
-tests/test_model_coverage.py, scripts/compat_table.py and benchmarks/bench_coverage.py.
+`build(name, seed=0, dtype, device, **overrides)` returns the model of family `name` in eval mode, its
+weights drawn after `torch.manual_seed(seed)`; `config(name, **overrides)` is its config alone. Overrides
+replace config fields, for a test that needs an odd size: `build("gpt2", n_positions=64)` (a short
+context), `build("llama", vocab_size=6, ...)` (a vocabulary small enough to enumerate). Sizes: vocabulary
+96, hidden 32, 2 layers, init 0.1 (a larger init spreads the logits of a random model apart, so greedy
+choices are rarely near-ties that a different matmul shape could flip). CORE are the three families the
+`tiny_lm` fixture (conftest.py) runs a test over; `bart_copier()` is a BART trained to copy its input.
+Used by every test, and by scripts/compat_table.py.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import transformers as tf
 
 VOCAB = 96
 WINDOW = 24            # sliding window of the windowed families; prompts in the tests are longer
+CORE = ("gpt2", "llama", "qwen2")
 _IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # The Llama-style fields most decoder-only configs share.
 _BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -19,14 +25,17 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_
 
 
 def _std(config_cls: str, model_cls: str, **extra):
-    return lambda: getattr(tf, model_cls)(getattr(tf, config_cls)(**{**_BASE, **extra}))
+    """(config class, model class, fields): the shared Llama-style fields, with some added or replaced."""
+    return config_cls, model_cls, {**_BASE, **extra}
 
 
 def _own(config_cls: str, model_cls: str, **fields):
-    return lambda: getattr(tf, model_cls)(getattr(tf, config_cls)(**fields, **_IDS))
+    """(config class, model class, fields): a family with field names of its own (and the usual token ids)."""
+    return config_cls, model_cls, {**fields, **_IDS}
 
 
-# family name -> builder; the comment says which cache path it exercises (see lookup_decode/cache.py).
+# family name -> (config class, model class, config fields); the comment says which cache path it exercises
+# (see lookup_decode/cache.py).
 DECODER_ONLY = {
     "llama": _std("LlamaConfig", "LlamaForCausalLM"),
     "mistral": _std("MistralConfig", "MistralForCausalLM", sliding_window=None),
@@ -88,15 +97,28 @@ _SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2
                 decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=1024,
                 init_std=0.1, pad_token_id=0, eos_token_id=2, decoder_start_token_id=2)
 ENCODER_DECODER = {
-    "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(**_SEQ2SEQ, bos_token_id=1, forced_eos_token_id=2)),
-    "pegasus": lambda: tf.PegasusForConditionalGeneration(tf.PegasusConfig(**_SEQ2SEQ)),
-    "marian": lambda: tf.MarianMTModel(tf.MarianConfig(**_SEQ2SEQ)),
-    "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+    "bart": ("BartConfig", "BartForConditionalGeneration", {**_SEQ2SEQ, "bos_token_id": 1, "forced_eos_token_id": 2}),
+    "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration", _SEQ2SEQ),
+    "marian": ("MarianConfig", "MarianMTModel", _SEQ2SEQ),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
         decoder_start_token_id=0)),
 }
 
 ALL = {**DECODER_ONLY, **WINDOWED, **RECURRENT, **ENCODER_DECODER}
+
+
+def config(name: str, **overrides):
+    """The config of family `name` (a key of ALL), with `overrides` replacing its fields."""
+    config_cls, _, fields = ALL[name]
+    return getattr(tf, config_cls)(**{**fields, **overrides})
+
+
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu", **overrides):
+    """The tiny model of family `name` in eval mode, weights drawn after torch.manual_seed(seed); `overrides`
+    replace config fields (e.g. build("gpt2", n_positions=64)). The same arguments give the same weights."""
+    torch.manual_seed(seed)
+    return getattr(tf, ALL[name][1])(config(name, **overrides)).to(device=device, dtype=dtype).eval()
 
 
 def bart_copier(steps: int = 150, seed: int = 0):
@@ -105,10 +127,8 @@ def bart_copier(steps: int = 150, seed: int = 0):
     Random weights never copy the source, so only a trained model shows drafts from the encoder input
     being accepted. Trained on random 24-token sequences (CPU, 1 thread, about 5 s); deterministic.
     """
-    torch.manual_seed(seed)
-    model = tf.BartForConditionalGeneration(tf.BartConfig(**{
-        **_SEQ2SEQ, "encoder_layers": 1, "decoder_layers": 1, "init_std": 0.05, "dropout": 0.0,
-        "max_position_embeddings": 256}))
+    model = build("bart", seed, encoder_layers=1, decoder_layers=1, init_std=0.05, dropout=0.0,
+                  max_position_embeddings=256, bos_token_id=0).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -118,8 +138,3 @@ def bart_copier(steps: int = 150, seed: int = 0):
         loss.backward()
         opt.step()
     return model.eval()
-
-
-def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    torch.manual_seed(seed)
-    return ALL[name]().to(device=device, dtype=dtype).eval()
