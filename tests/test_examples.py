@@ -8,6 +8,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import FlatCosts
+
+import lookup_decode
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -96,10 +99,13 @@ def test_summarize_folder_per_document_and_total_stats(real_model, tmp_path, cap
 
 
 @pytest.mark.real_model
-def test_existing_code_outputs_identical(real_model, capsys):
+def test_existing_code_outputs_identical(real_model, capsys, monkeypatch):
+    # The example passes custom_generate=lookup_decode.generate, priced by the shared COSTS: priced flat here, so
+    # this machine's load cannot price every draft out and the identity below is checked on accepted drafts.
+    monkeypatch.setattr(lookup_decode.COSTS, "curve", FlatCosts().curve)
     result = existing_code.main(["--max-new-tokens", "40", "--no-warmup"], model_and_tokenizer=real_model)
     assert result["identical"]
     assert result["lookup_text"].strip()
     assert result["lookup_text"] == result["plain_text"]
-    assert result["stats"].steps > 0
+    assert result["stats"].accepted > 0
     assert "identical output: yes" in capsys.readouterr().out

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
 
 from lookup_decode.core.config import LookupConfig
@@ -41,16 +42,11 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from lookup_decode.engines.hf.models import load_tokenizer
     folder = tmp_path_factory.mktemp("tiny_chat_llama")
     tok = load_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=CONTEXT, initializer_range=0.1,
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    model = tiny_models.build("llama", vocab_size=len(tok), max_position_embeddings=CONTEXT, pad_token_id=tok.pad_token_id,
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
