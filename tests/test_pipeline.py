@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import tiny_models
-import torch
 
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.engines.batch.job import Job, run
