@@ -8,11 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import replay as study
-from benchmarks import report
-from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
-                                  TransformersPromptLookup, VllmNgram)
-from benchmarks.common import accepted_histogram, first_mismatch
+from benchmarks.harness import report
+from benchmarks.harness.baselines import (
+    ContextCopyOracle,
+    SelectionOracle,
+    SubstitutionKey,
+    SuffixDecoding,
+    TransformersPromptLookup,
+    VllmNgram,
+)
+from benchmarks.harness.metrics import accepted_histogram, first_mismatch
+from benchmarks.replay import drafts as study
+from lookup_decode import measure
 from lookup_decode.cli import bench
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.draft import Draft
@@ -23,15 +30,15 @@ from lookup_decode.engines import replay
 # ------------------------------------------------------------------------------------ interleaving
 
 def test_interleaved_order_rotates_each_repeat():
-    assert bench.interleaved_order(["a", "b", "c"], 2) == [
+    assert measure.interleaved_order(["a", "b", "c"], 2) == [
         (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a")]
-    assert bench.interleaved_order(["a", "b", "c"], 1, offset=2) == [(0, "c"), (0, "a"), (0, "b")]
+    assert measure.interleaved_order(["a", "b", "c"], 1, offset=2) == [(0, "c"), (0, "a"), (0, "b")]
 
 
 @pytest.mark.parametrize("n_variants,repeats,offset", [(1, 3, 0), (2, 4, 1), (4, 4, 0), (4, 8, 3)])
 def test_interleaved_order_runs_every_variant_once_per_repeat(n_variants, repeats, offset):
     names = [f"v{i}" for i in range(n_variants)]
-    order = bench.interleaved_order(names, repeats, offset)
+    order = measure.interleaved_order(names, repeats, offset)
     assert len(order) == n_variants * repeats
     for r in range(repeats):
         assert sorted(v for rr, v in order if rr == r) == names
@@ -58,14 +65,14 @@ class FakeModel:
 def test_measure_follows_interleaved_order_and_records_tokens():
     model = FakeModel()
     prompts = [torch.tensor([[10, 1]]), torch.tensor([[11, 1]])]
-    variants = [bench.PLAIN, bench.PROMPT_LOOKUP, bench.Variant("lookup", lookup={"k": 4})]
-    measured = bench.measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
+    variants = [measure.PLAIN, measure.PROMPT_LOOKUP, measure.Variant("lookup", lookup={"k": 4})]
+    measured = measure.measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
     assert model.calls == [(10, "plain"), (10, "pld"), (10, "lookup"), (10, "pld"), (10, "lookup"), (10, "plain"),
                            (11, "pld"), (11, "lookup"), (11, "plain"), (11, "lookup"), (11, "plain"), (11, "pld")]
     assert measured[0]["plain"].tokens == [7, 8, 9]
     assert measured[0]["lookup"].tokens == [7, 8, 0]
     assert measured[0]["lookup"].stats.steps == 1
-    summary = bench.compare(measured, "lookup")
+    summary = measure.compare(measured, "lookup")
     assert summary["identical"] == 0 and summary["n"] == 2
     json.dumps(summary)  # the --json output must serialize
 
@@ -73,22 +80,22 @@ def test_measure_follows_interleaved_order_and_records_tokens():
 # ------------------------------------------------------------------------------ ratios and spread
 
 def test_spread_quartiles_and_range():
-    s = bench.spread([4, 1, 3, 2])
+    s = measure.spread([4, 1, 3, 2])
     assert s == {"n": 4, "median": 2.5, "q1": 1.75, "q3": 3.25, "min": 1.0, "max": 4.0}
-    assert bench.spread([]) == {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None}
+    assert measure.spread([]) == {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None}
 
 
 def test_speedup_is_a_ratio_of_tokens_per_second():
-    assert bench.speedup((100, 10.0), (100, 5.0)) == pytest.approx(2.0)
-    assert bench.speedup((100, 10.0), (50, 2.0)) == pytest.approx(2.5)     # different output lengths
+    assert measure.speedup((100, 10.0), (100, 5.0)) == pytest.approx(2.0)
+    assert measure.speedup((100, 10.0), (50, 2.0)) == pytest.approx(2.5)     # different output lengths
 
 
 def test_throughput_ratio_weighs_long_prompts_unlike_the_median():
     base = [(100, 10.0), (10, 10.0)]
     other = [(100, 5.0), (10, 10.0)]
-    per_prompt = [bench.speedup(b, o) for b, o in zip(base, other)]
-    assert bench.spread(per_prompt)["median"] == pytest.approx(1.5)
-    assert bench.throughput_ratio(base, other) == pytest.approx((110 / 15) / (110 / 20))
+    per_prompt = [measure.speedup(b, o) for b, o in zip(base, other)]
+    assert measure.spread(per_prompt)["median"] == pytest.approx(1.5)
+    assert measure.throughput_ratio(base, other) == pytest.approx((110 / 15) / (110 / 20))
 
 
 def test_first_mismatch():
@@ -109,13 +116,13 @@ def test_accepted_histogram_from_accepted_at():
 # -------------------------------------------------------------------------------------- loop score
 
 def test_loop_score_worked_examples():
-    assert bench.loop_score([]) == 0.0
-    assert bench.loop_score(list(range(50))) == 0.0
-    assert bench.loop_score([1, 2, 3] * 3, n=3) == pytest.approx(6 / 9)
-    assert bench.loop_score([1, 2, 3, 4] * 4) == pytest.approx(12 / 16)   # 8-grams from position 4 on repeat
+    assert measure.loop_score([]) == 0.0
+    assert measure.loop_score(list(range(50))) == 0.0
+    assert measure.loop_score([1, 2, 3] * 3, n=3) == pytest.approx(6 / 9)
+    assert measure.loop_score([1, 2, 3, 4] * 4) == pytest.approx(12 / 16)   # 8-grams from position 4 on repeat
     block = list(range(100, 110))
-    assert bench.loop_score(block + block) == pytest.approx(10 / 20)       # one copied 10-token block
-    assert bench.loop_score([5] * 7) == 0.0                                 # shorter than one 8-gram
+    assert measure.loop_score(block + block) == pytest.approx(10 / 20)       # one copied 10-token block
+    assert measure.loop_score([5] * 7) == 0.0                                 # shorter than one 8-gram
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -268,7 +275,9 @@ def test_transformers_prompt_lookup_examples(tokens, kwargs, expected):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_transformers_prompt_lookup_matches_transformers(seed):
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    from transformers.generation.candidate_generator import (
+        PromptLookupCandidateGenerator,
+    )
     rng = np.random.default_rng(seed)
     for _ in range(40):
         tokens = rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist()
@@ -536,7 +545,7 @@ def test_bench_batch_measure_accounts_tokens_and_decode_time(tiny_llama):
 
     from conftest import repetitive_prompt
 
-    from benchmarks import bench_batch
+    from benchmarks.e2e import batch as bench_batch
     rows = [repetitive_prompt(1)[0], repetitive_prompt(2, length=10)[0]]
     P = max(len(r) for r in rows)
     ids = torch.zeros((2, P), dtype=torch.long)

@@ -6,9 +6,18 @@ import json
 
 import pytest
 
-from benchmarks import bench_vllm, vllm_engine
-from benchmarks.vllm_engine import (abba, child_env, engine_kwargs, goals, markdown, plan_cells, speculative_config,
-                                    summarize)
+from benchmarks.vllm import bench as bench_vllm
+from benchmarks.vllm import engine as vllm_engine
+from benchmarks.vllm.engine import (
+    abba,
+    child_env,
+    engine_kwargs,
+    goals,
+    markdown,
+    plan_cells,
+    speculative_config,
+    summarize,
+)
 
 # ------------------------------------------------------------------------------------------- order and plan
 

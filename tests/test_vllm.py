@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from benchmarks.vllm_runner import SimRequest, SimRunner
+from benchmarks.vllm.runner import SimRequest, SimRunner
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.engines.replay import replay

@@ -6,14 +6,14 @@ plain generate; transformers' prompt lookup; lookup_decode with a cold cost mode
 forwards: the default), with the old full grid calibration (`CostModel(full=True)`), and with the
 curve already on disk (a second process). Then a session: four requests in a row, total seconds.
 
-    python -m benchmarks.cold_start --shape llama-3.2-1b/8 --new 64
+    python -m benchmarks.e2e.cold_start --shape llama-3.2-1b/8 --new 64
 
 `--model default` (or a .gguf file / model folder): a real model on real copy-heavy requests (the code-edit
 prompts of tests/data), each variant in a fresh Python process as a new user's script would run it — imports,
 numba's kernels (from its on-disk cache, or compiled if there is none), the cost calibration all land in the
 first call or before it — and every output checked against plain's.
 
-    python -m benchmarks.cold_start --model default --new 64
+    python -m benchmarks.e2e.cold_start --model default --new 64
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 import lookup_decode
-from benchmarks.forced_replay import PAIRS, Forced, build, load_pairs
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.replay.forced import PAIRS, Forced, build, load_pairs
 from lookup_decode.core.cost import CostModel
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cold_start"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def session(shape: str, variant: str, pairs, new: int, cache_dir: str) -> list[float]:
@@ -65,14 +66,14 @@ def session(shape: str, variant: str, pairs, new: int, cache_dir: str) -> list[f
 
 
 REAL_VARIANTS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_first_run")
-TEST_PROMPTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "real_prompts.jsonl"
+TEST_PROMPTS = REPO / "tests" / "data" / "real_prompts.jsonl"
 
 
 def real_session(model_path: str, variant: str, requests: int, new: int) -> dict:
     """One fresh process's session on a real model (run by `--child`): seconds and tokens of each request."""
     started = time.perf_counter()
-    from lookup_decode.cli.bench import PLAIN, PROMPT_LOOKUP, Variant, run_variant
     from lookup_decode.engines.hf.models import chat_ids, load_model
+    from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant, run_variant
     model, tokenizer = load_model(None if model_path == "default" else model_path)
     loaded = time.perf_counter()
     rows = [json.loads(line) for line in TEST_PROMPTS.read_text().splitlines()]
@@ -94,9 +95,10 @@ def real_model(args) -> dict:
             for variant in REAL_VARIANTS:
                 path = Path(tmp) / f"{variant}_{round_}.json"
                 fresh = {"NUMBA_CACHE_DIR": tempfile.mkdtemp(dir=tmp)} if variant.endswith("first_run") else {}
-                subprocess.run([sys.executable, "-m", "benchmarks.cold_start", "--child", variant, "--model", args.model,
-                                "--new", str(args.new), "--requests", str(args.requests), "--json", str(path)],
-                               check=True, env={**env, **fresh}, cwd=Path(__file__).resolve().parent.parent)
+                subprocess.run([sys.executable, "-m", "benchmarks.e2e.cold_start", "--child", variant, "--model",
+                                args.model, "--new", str(args.new), "--requests", str(args.requests),
+                                "--json", str(path)],
+                               check=True, env={**env, **fresh}, cwd=REPO)
                 runs[variant].append(json.loads(path.read_text()))
                 print(variant, [round(t, 2) for t in runs[variant][-1]["seconds"]], flush=True)
     for variant, rs in runs.items():
@@ -107,14 +109,14 @@ def real_model(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from lookup_decode.cli.bench import command_line, environment
+    from lookup_decode.measure import command_line, environment
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b/8")
     ap.add_argument("--model", help="'default' or a .gguf file / model folder: a real model in fresh processes")
     ap.add_argument("--repeats", type=int, default=2, help="--model: interleaved rounds of fresh processes")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "cold_start"))
     ap.add_argument("--child", choices=REAL_VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -124,10 +126,6 @@ def main(argv=None) -> int:
         return 0
     if args.model:
         runs = real_model(args)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "cold_start.json").write_text(json.dumps({"environment": environment(), "args": vars(args),
-                                                         "runs": runs}, indent=1))
         # Per variant the round with the shortest session (the least disturbed one).
         best = {v: min(rs, key=lambda r: sum(r["seconds"])) for v, rs in runs.items()}
         plain, pl = best["plain"]["seconds"], best["prompt_lookup"]["seconds"]
@@ -139,8 +137,8 @@ def main(argv=None) -> int:
             t = r["seconds"]
             lines.append(f"| {v} | {t[0]:.2f} | {t[0] / plain[0]:.2f} | {sum(t):.2f} | {sum(t) / sum(plain):.2f} | "
                          f"{sum(t) / sum(pl):.2f} | {r['load_s']:.2f} |")
-        (out / "cold_start.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        write_result(args.out, "cold_start", {"environment": environment(), "args": vars(args), "runs": runs},
+                     "\n".join(lines) + "\n")
         return 0
     pairs = load_pairs(PAIRS, ["code_edit"], args.requests)["code_edit"]
     lookup_decode.SuffixIndex([1, 2, 1, 2], min_match=1).propose(2)     # numba compile outside every timing
@@ -153,18 +151,14 @@ def main(argv=None) -> int:
         # A second process: same shape, the curve the cold run stored is on disk.
         rows["lookup_decode_disk"] = session(args.shape, "lookup_decode_disk", pairs, args.new, cache_dir)
         print("lookup_decode_disk", [round(t, 2) for t in rows["lookup_decode_disk"]], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cold_start.json").write_text(json.dumps({"environment": environment(), "args": vars(args),
-                                                     "seconds": rows}, indent=1))
     plain = rows["plain"]
     lines = [f"$ {command_line()}", "", "| variant | first call s | x plain's first | session of "
              f"{args.requests} s | x plain's session | x prompt lookup's session |", "|---|---|---|---|---|---|"]
     for v, t in rows.items():
         lines.append(f"| {v} | {t[0]:.2f} | {t[0] / plain[0]:.2f} | {sum(t):.2f} | {sum(t) / sum(plain):.2f} | "
                      f"{sum(t) / sum(rows['prompt_lookup']):.2f} |")
-    (out / "cold_start.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, "cold_start", {"environment": environment(), "args": vars(args), "seconds": rows},
+                 "\n".join(lines) + "\n")
     return 0
 
 

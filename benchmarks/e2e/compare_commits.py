@@ -1,8 +1,9 @@
 """End to end, two checkouts of lookup_decode side by side: is a change a slowdown?
 
     git worktree add /tmp/before <old commit>
-    python -m benchmarks.compare_commits --before /tmp/before --after . --n 4 --repeats 3
-    python -m benchmarks.compare_commits --before /tmp/before --batch 16 --generate-kwargs '{"repetition_penalty": 1.2}'
+    python -m benchmarks.e2e.compare_commits --before /tmp/before --after . --n 4 --repeats 3
+    python -m benchmarks.e2e.compare_commits --before /tmp/before --batch 16 \\
+        --generate-kwargs '{"repetition_penalty": 1.2}'
 
 One worker process per checkout (each imports its own `lookup_decode`, loads the default model once
 and warms up: JIT, first-use allocations, the cost calibration); the parent sends both the same
@@ -67,10 +68,11 @@ class Worker:
 
 
 def main(argv=None) -> int:
-    from benchmarks import workloads
-    from benchmarks.common import write_json
-    from lookup_decode.cli.bench import environment, interleaved_order
+    from benchmarks.harness import workloads
+    from benchmarks.harness.loop import side_by_side
+    from benchmarks.harness.results import write_result
     from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
+    from lookup_decode.measure import environment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", required=True, help="checkout (folder) of the old code")
@@ -97,15 +99,12 @@ def main(argv=None) -> int:
         w.run(prompts[0][1], 16, args.generate_kwargs)
     runs = []
     for i, (cat, rows) in enumerate(prompts):
-        times = {name: [] for name in workers}
-        tokens = {}
-        for _, name in interleaved_order(list(workers), args.repeats, offset=i):
-            r = workers[name].run(rows, args.max_new_tokens, args.generate_kwargs)
-            times[name].append(r["seconds"])
-            tokens[name] = r["tokens"]
+        got = side_by_side(list(workers), lambda name: workers[name].run(rows, args.max_new_tokens,
+                                                                         args.generate_kwargs), args.repeats, offset=i)
+        tokens = {name: got[name][-1]["tokens"] for name in workers}
         runs.append({"category": cat, "prompt_tokens": sum(map(len, rows)), "rows": len(rows),
                      "new_tokens": sum(map(len, tokens["after"])), "identical": tokens["before"] == tokens["after"],
-                     **{f"{name}_s": float(np.median(t)) for name, t in times.items()}})
+                     **{f"{name}_s": float(np.median([r["seconds"] for r in got[name]])) for name in workers}})
         print(f"{cat} {runs[-1]['prompt_tokens']} tokens in {len(rows)} rows: before {runs[-1]['before_s']:.2f}s "
               f"after {runs[-1]['after_s']:.2f}s identical={runs[-1]['identical']}", file=sys.stderr)
     packages = {name: w.package for name, w in workers.items()}
@@ -122,7 +121,8 @@ def main(argv=None) -> int:
               f"x{summary[cat]['median_ratio']:.3f}), identical {summary[cat]['identical']}/{len(rs)}")
     result = {"environment": environment(threads=args.threads), "packages": packages, "settings": vars(args),
               "summary": summary, "runs": runs}
-    write_json(args.out, result)
+    if args.out:
+        write_result(Path(args.out).parent, Path(args.out).stem, result)
     return 0
 
 

@@ -1,8 +1,8 @@
 """Benchmark rows for two model-coverage configurations: a static cache, and an encoder-decoder model.
 
-    python -m benchmarks.bench_coverage static --n-per-workload 4 --max-new-tokens 128
-    python -m benchmarks.bench_coverage encdec --n-per-workload 4 --max-new-tokens 128
-    python -m benchmarks.bench_coverage static --n-per-workload 1 --max-new-tokens 16 --out /tmp/x   # smoke test
+    python -m benchmarks.e2e.coverage static --n-per-workload 4 --max-new-tokens 128
+    python -m benchmarks.e2e.coverage encdec --n-per-workload 4 --max-new-tokens 128
+    python -m benchmarks.e2e.coverage static --n-per-workload 1 --max-new-tokens 16 --out /tmp/x   # smoke test
 
 static: the default model (SmolLM2-135M-Instruct) with `cache_implementation="static"`, plain generate
 vs lookup_decode on the same static cache (plus the dynamic-cache pair for reference), greedy, on the
@@ -15,7 +15,7 @@ articles (default tokenizer, <= 1,000 tokens). Random weights do not summarize: 
 the end-to-end ratio says how the mechanics perform (encoder source in the index, decoder verify with
 cross-attention, self-attention rollback), not what a trained summarizer gains. The transferable
 number is the decoder's forward cost over n tokens relative to 1 (cross-attention included), also
-written; combine it with `benchmarks.replay`'s acceptance on real summaries.
+written; combine it with `benchmarks.replay.drafts`'s acceptance on real summaries.
 
 Per prompt the variants run interleaved (order rotated per prompt) after one untimed warm-up each.
 Writes DIR/<config>.json and DIR/<config>.md (default DIR: benchmarks/results/coverage).
@@ -24,7 +24,6 @@ Writes DIR/<config>.json and DIR/<config>.md (default DIR: benchmarks/results/co
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,14 +32,15 @@ from pathlib import Path
 import torch
 
 import lookup_decode
-from benchmarks import workloads
-from benchmarks.common import first_mismatch
-from lookup_decode.cli.bench import command_line, environment, interleaved_order, loop_score, timed_generate
+from benchmarks.harness import workloads
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.metrics import first_mismatch
+from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.cost import sync
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
+from lookup_decode.measure import command_line, environment, loop_score, timed_generate
 
-RESULTS = Path(__file__).resolve().parent / "results" / "coverage"
 STATIC_VARIANTS = {
     "plain_static": dict(cache_implementation="static"),
     "lookup_static": dict(cache_implementation="static", lookup=True),
@@ -104,7 +104,7 @@ def prompts(tokenizer, names, n: int, max_tokens: int, encoder_source: bool):
 
 def markdown(result: dict) -> str:
     names = result["variants"]
-    lines = [f"# bench_coverage {result['config']}", "", f"`{result['command']}`", "", result["note"], "",
+    lines = [f"# coverage {result['config']}", "", f"`{result['command']}`", "", result["note"], "",
              "| variant | prompts | identical to plain | total tokens/s | median speed-up vs plain | mean accepted length |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name in names:
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="static: torch.compile the forward")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "coverage")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -165,12 +165,10 @@ def main(argv=None) -> int:
               "prompts": []}
     if args.config == "encdec":
         result["decoder_cost_ratio"] = decoder_cost_ratios(model, warm)
-    args.out.mkdir(parents=True, exist_ok=True)
     for i, (req, ids) in enumerate(chosen):
         ids = ids.to(args.device)
-        runs = {}
-        for _, name in interleaved_order(list(variants), 1, offset=i):
-            runs[name] = timed(model, ids, args.max_new_tokens, variants[name])
+        runs = {name: rs[0] for name, rs in side_by_side(
+            list(variants), lambda name: timed(model, ids, args.max_new_tokens, variants[name]), offset=i).items()}
         rec = {"category": req.category, "id": req.id, "prompt_tokens": int(ids.shape[1]), "variants": {}}
         for name, (tokens, seconds, stats) in runs.items():
             base_tokens = runs[baseline_of[name]][0]
@@ -182,9 +180,8 @@ def main(argv=None) -> int:
         print(f"{i + 1}/{len(chosen)} {req.category} {req.id}: " + ", ".join(
             f"{n} {v['tokens_per_second']:.1f} tok/s{'' if v['identical'] else ' DIFFERENT'}"
             for n, v in rec["variants"].items()), flush=True)
-        (args.out / f"{args.config}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"{args.config}.md").write_text(markdown(result))
-    print(markdown(result))
+        write_result(args.out, args.config, result)
+    write_result(args.out, args.config, result, markdown(result))
     return 0 if all(v["identical"] for r in result["prompts"] for v in r["variants"].values()) else 1
 
 

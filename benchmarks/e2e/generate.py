@@ -1,7 +1,7 @@
 """End-to-end tokens/s: plain greedy, transformers' prompt lookup and lookup_decode, side by side in one process.
 
-    python -m benchmarks.bench_generate --n-per-workload 1 --max-new-tokens 32      # smoke test
-    python -m benchmarks.bench_generate --n-per-workload 10 --max-new-tokens 256 --repeats 2
+    python -m benchmarks.e2e.generate --n-per-workload 1 --max-new-tokens 32      # smoke test
+    python -m benchmarks.e2e.generate --n-per-workload 10 --max-new-tokens 256 --repeats 2
 
 Per prompt, every variant runs `--repeats` times, interleaved (order rotated per repeat and per
 prompt) after one untimed warm-up request per variant; the median time counts. Greedy decoding, so
@@ -22,22 +22,23 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks import report, workloads
-from benchmarks.common import accepted_histogram, copy_share, first_mismatch
-from lookup_decode.cli.bench import (
+from benchmarks.harness import report, workloads
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.metrics import accepted_histogram, copy_share, first_mismatch
+from benchmarks.harness.results import RESULTS
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.forward import measure_forward_cost
+from lookup_decode.engines.hf.models import chat_ids
+from lookup_decode.measure import (
     LOOP_THRESHOLD,
     PLAIN,
     PROMPT_LOOKUP,
     Variant,
     environment,
-    interleaved_order,
     loop_score,
     run_variant,
     speedup,
 )
-from lookup_decode.core.stats import DecodeStats
-from lookup_decode.engines.hf.forward import measure_forward_cost
-from lookup_decode.engines.hf.models import chat_ids
 
 VARIANTS = {
     "plain": PLAIN,
@@ -54,7 +55,6 @@ CATEGORIES = ["code_edit", "editeval", "summarization", "rag", "qa", "translatio
 LONG = ["aider_refactor"]
 LONG_PROMPT_TOKENS = 6144
 COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 40, 48, 56, 65]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def select_prompts(names: list[str], tokenizer, n: int, max_prompt_tokens: int, context: int | None,
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-prompt-tokens", type=int, default=LONG_PROMPT_TOKENS,
                     help=f"prompt cap of the long-context workloads (aider_refactor; default {LONG_PROMPT_TOKENS}: "
                     "the default model's context is 8,192 tokens, and shorter prompts keep a CPU run's prefill "
-                    "short; longer contexts: benchmarks/scaling.py)")
+                    "short; longer contexts: benchmarks/e2e/scaling.py)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and variant (median; default 1)")
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                     help="plain always runs (the reference)")
@@ -175,10 +175,8 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(chosen) * len(variants) * args.repeats, desc="generate", unit="run")
     for i, (req, ids) in enumerate(chosen):
         bar.set_postfix_str(f"{req.category} ({ids.shape[1]} prompt tokens)")
-        runs = {n: [] for n in names}
-        for _, name in interleaved_order(names, args.repeats, offset=i):
-            runs[name].append(run_variant(model, ids, VARIANTS[name], args.max_new_tokens))
-            bar.update()
+        runs = side_by_side(names, lambda name: run_variant(model, ids, VARIANTS[name], args.max_new_tokens),
+                            args.repeats, offset=i, progress=bar.update)
         result["prompts"].append(prompt_record(req, ids, runs, names, tokenizer))
         report.write(result, out, with_plots=False)
     bar.close()

@@ -6,25 +6,21 @@ step for batches); plain `generate`: per token (and per row and token), measured
 One row: the forced-replay hook makes the model emit a recorded code-edit output (drafts get
 accepted as they would on the large model that wrote it); batches: random-weight outputs.
 
-    python -m benchmarks.host_overhead --contexts 1024 16384 --batches 16 64 --new 64
+    python -m benchmarks.e2e.host_overhead --contexts 1024 16384 --batches 16 64 --new 64
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 import lookup_decode
-from benchmarks.forced_replay import PAIRS, Forced, build, load_pairs
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.replay.forced import PAIRS, Forced, build, load_pairs
 from lookup_decode.core.stats import DecodeStats
-
-RESULTS = Path(__file__).resolve().parent / "results" / "host_overhead"
 
 
 class ForwardTimer:
@@ -115,7 +111,7 @@ def prompts(context: int, batch: int, vocab: int):
 
 
 def main(argv=None) -> int:
-    from lookup_decode.cli.bench import command_line, environment
+    from lookup_decode.measure import command_line, environment
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="*", default=[1024, 16384])
     ap.add_argument("--batches", type=int, nargs="*", default=[16, 64])
@@ -128,7 +124,7 @@ def main(argv=None) -> int:
                          "same widths in every run (the adaptive policy's widths follow timings and differ between runs)")
     ap.add_argument("--outputs", nargs="+", default=["code edit", "random"], choices=["code edit", "random"],
                     help="single-row cases: a recorded code edit forced through the logits, the model's own output")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "host_overhead"))
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     # One layer, the Llama-3 vocabulary: forwards are short, the host part is what is left.
@@ -177,9 +173,6 @@ def main(argv=None) -> int:
         finally:
             if forced is not None:
                 forced.handle.remove()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_overhead.json").write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
     lines = [f"$ {command_line()}", "", f"argmax over one position's logits: {argmax_us:.0f} us", "",
              "| batch | context | output | sampling | plain host us/row/token | lookup host us/row/step | "
              "extra us/row/step | positions verified per row-step | extra beyond their argmax | plain / lookup host ms per call | "
@@ -190,8 +183,7 @@ def main(argv=None) -> int:
                      f"{r['lookup_decode_mean_width']:.1f} | {r['extra_beyond_argmax_us']:.0f} | "
                      f"{r['plain_host_per_call_ms']:.1f} / {r['lookup_decode_host_per_call_ms']:.1f} | "
                      f"{r['lookup_decode_steps']} | {r['lookup_decode_new_tokens']} |")
-    (out / "host_overhead.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, "host_overhead", {"environment": environment(), "rows": rows}, "\n".join(lines) + "\n")
     return 0
 
 

@@ -1,16 +1,16 @@
 """End to end: lookup_decode with session memory / reference documents vs without, on the default model.
 
-    python -m benchmarks.bench_memory --n 1 --max-new-tokens 16 --out /tmp/mem_smoke       # smoke test
-    python -m benchmarks.bench_memory --n 3 --max-new-tokens 96 --threads 2      # full: ~6-8 min on a quiet 2-core CPU
+    python -m benchmarks.e2e.memory --n 1 --max-new-tokens 16 --out /tmp/mem_smoke       # smoke test
+    python -m benchmarks.e2e.memory --n 3 --max-new-tokens 96 --threads 2      # full: ~6-8 min on a quiet 2-core CPU
 
 Sessions whose outputs are this model's own (greedy), run step by step; every step runs each variant
 (`none`: lookup_decode defaults; `memory`: the same with one Memory for the workload and its
 References; optionally `plain`: model.generate) in rotated order after an untimed warm-up, and
 checks that all outputs are identical. Later steps are built from the earlier outputs, as a client
-would. Workloads (data from ../shared/data): `memory_sessions.END_TO_END` — mt_redundant (turn 2
+would. Workloads (data from ../shared/data): `benchmarks.replay.sessions.END_TO_END` — mt_redundant (turn 2
 carries this model's turn 1), edits (three successive edits of a small Python file), rag (ClapNQ with
 300 rows' passages registered) and rerun (the same first turns asked again); the offline replay
-(replay_memory.py) runs the same builders on real outputs.
+(`benchmarks.replay.memory`) runs the same builders on real outputs.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import lookup_decode
-from benchmarks import memory_sessions
-from lookup_decode.cli.bench import environment
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.replay import sessions as memory_sessions
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.models import chat_ids
+from lookup_decode.measure import environment
 
-RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ["none", "memory"]
 
 
@@ -67,8 +67,6 @@ def main(argv=None) -> int:
     for v in variants:                            # first calls allocate; lookup measures the forward cost once
         run_once(model, warm, v, 8, lookup_decode.Memory(100), None)
     records, k = [], 0
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.workloads:
         workload = memory_sessions.load(name, args.n, memory_sessions.END_TO_END)
         memory, refs = lookup_decode.Memory(args.memory_tokens), memory_sessions.references(workload, tokenizer)
@@ -81,11 +79,10 @@ def main(argv=None) -> int:
                     print(f"skip {name}/{group}: {ids.shape[1]} prompt tokens", file=sys.stderr)
                     prev = ""
                     continue
-                order = variants[k % len(variants):] + variants[:k % len(variants)]
+                names = variants if scored else ["memory"]     # not scored: only fills the memory
+                runs = {v: rs[0] for v, rs in side_by_side(
+                    names, lambda v: run_once(model, ids, v, args.max_new_tokens, memory, refs), offset=k).items()}
                 k += 1
-                if not scored:                    # only fills the memory
-                    order = ["memory"]
-                runs = {v: run_once(model, ids, v, args.max_new_tokens, memory, refs) for v in order}
                 outs = [r[0] for r in runs.values()]
                 identical = all(torch.equal(outs[0], o) for o in outs[1:])
                 prev = tokenizer.decode(outs[0][0, ids.shape[1]:], skip_special_tokens=True)
@@ -97,14 +94,12 @@ def main(argv=None) -> int:
                 records.append(rec)
                 print(json.dumps({k2: rec[k2] for k2 in ("workload", "group", "new_tokens", "identical")}
                                  | {"seconds": {v: round(s, 2) for v, s in rec["seconds"].items()}}), file=sys.stderr)
-                (out_dir / "results.json").write_text(json.dumps(
-                    {"environment": environment(model, threads=args.threads), "records": records}, indent=1))
+                write_result(args.out, "results", {"environment": environment(model, threads=args.threads),
+                                                   "records": records})
     summary = summarize(records, variants)
     result = {"environment": environment(model, threads=args.threads), "settings": vars(args), "records": records,
               "summary": summary}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "results.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(args.out, "results", result, markdown(result))
     return 0
 
 

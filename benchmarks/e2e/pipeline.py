@@ -1,7 +1,7 @@
 """Records/s of the batch job (`lookup-decode run`): lookup_decode vs plain batched generate, locally and on a
 local Ray cluster with 1 and 2 actors (1 torch thread each), side by side in one process.
 
-    python -m benchmarks.bench_pipeline --n-per-workload 4 --max-new-tokens 64 --out benchmarks/results/pipeline
+    python -m benchmarks.e2e.pipeline --n-per-workload 4 --max-new-tokens 64 --out benchmarks/results/pipeline
 
 Input: the first n prompts of the summarization and code-edit workloads (../shared/data), greedy, the
 default model. Every configuration runs the same JSONL through `lookup_decode.engines.pipeline.run` into a fresh
@@ -32,7 +32,7 @@ CONFIGS = {  # name -> (use_ray, actors, plain)
 
 
 def write_input(path: Path, workloads: list[str], n: int, max_new_tokens: int) -> int:
-    from benchmarks.workloads import load
+    from benchmarks.harness.workloads import load
     rows = []
     for name in workloads:
         for req in load(name)[:n]:
@@ -55,9 +55,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lookup_decode.cli.bench import environment
+    from benchmarks.harness.results import write_result
     from lookup_decode.engines.hf.models import load_model
     from lookup_decode.engines.pipeline import Job, run
+    from lookup_decode.measure import environment
 
     torch.set_num_threads(1)
     t = time.perf_counter()
@@ -104,9 +105,6 @@ def main(argv=None) -> int:
         ray.shutdown()
     report = {"records_in": n, "load_s": round(load_s, 2), "note": args.note, "results": results,
               "settings": vars(args), "environment": env}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Batch job: records/s ({n} records: {', '.join(args.workloads)}; greedy, <= {args.max_new_tokens} "
              f"new tokens, batch {args.batch_size}, 1 torch thread per worker)", "",
              f"Command: `{env['command']}`", "", f"Note: {args.note}" if args.note else "", "",
@@ -119,8 +117,7 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {r['records_per_s']:.3f} | {gen} | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} | "
                      f"{r['generate_s']:.1f} | {acc} | {r.get('identical_to_local_plain', '')}/{n} |")
     lines += ["", f"Model load in this process: {load_s:.1f} s (included in every wall time; Ray start-up is not)."]
-    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, "results", report, "\n".join(lines) + "\n")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Prefix-dependent logits processors in a batch: each row scored alone (row-local views) vs in a full batch.
 
-    python -m benchmarks.bench_processors --rows 16 --positions 9 --out benchmarks/results/architecture/processors.json
+    python -m benchmarks.e2e.processors --rows 16 --positions 9 --out benchmarks/results/architecture/processors.json
 
 A verify step of a batch scores every row's verified positions with the prefix that row would have had.
 Processors such as repetition penalty hold per-row state (transformers gives it each row's padding length),
@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from benchmarks.common import write_json
-from lookup_decode.cli.bench import environment
+from benchmarks.harness.results import write_result
 from lookup_decode.core.verify import Processors
+from lookup_decode.measure import environment
 
 
 def step_seconds(procs: Processors, ids, logits, positions: int, repeats: int) -> tuple[float, list]:
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="write the result JSON to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
                                  "speedup": batch / alone, "identical_scores": same}
         print(f"{name}: one step ({args.rows} rows x {args.positions} positions) row-local {1e3 * alone:.1f} ms, "
               f"whole batch {1e3 * batch:.1f} ms (x{batch / alone:.1f}); identical scores: {same}")
-    write_json(args.out, result)
+    if args.out:
+        write_result(Path(args.out).parent, Path(args.out).stem, result)
     return 0
 
 

@@ -1,12 +1,12 @@
 """Scaling study: how lookup_decode's speed-up moves with output length, context length and copy share.
 
-    python -m benchmarks.scaling --parts context copy --generate-results benchmarks/results/generate/results.json
-    python -m benchmarks.scaling --parts output --cost-grid benchmarks/results/scaling/cost_grid.json
+    python -m benchmarks.e2e.scaling --parts context copy --generate-results benchmarks/results/generate/results.json
+    python -m benchmarks.e2e.scaling --parts output --cost-grid benchmarks/results/scaling/cost_grid.json
 
 Every part separates what is *measured* end to end with the default model on this machine from what
 is *projected*: a proposer replayed on a known output (no model; `lookup_decode.engines.replay.replay`), each
 step priced as one forward over draft + 1 tokens with the forward cost *measured on this machine* at
-that context length (`cost_grid.py`; a synthetic KV cache stands in for contexts the model cannot
+that context length (`benchmarks.micro.cost_grid`; a synthetic KV cache stands in for contexts the model cannot
 hold or would take hours to prefill). Projections leave out proposer time (µs per step, reported).
 
 * output_length — measured: per prompt, plain and lookup_decode run --output-repeats times each
@@ -17,11 +17,11 @@ hold or would take hours to prefill). Projections leave out proposer time (µs p
 * context_length — projected: Aider refactor tasks (the file re-emitted with one method moved, made
   mechanically by aider_after.py) with other Aider files put before it to reach 1k..128k tokens of
   context; ours vs transformers' prompt lookup vs the context-copy ceiling. Measured: the end-to-end
-  aider_refactor prompts of a bench_generate run (--generate-results), which fit the 8k-token model.
+  aider_refactor prompts of an `e2e.generate` run (--generate-results), which fit the 8k-token model.
 * copy_share — projected: (1) controlled outputs built from real text: spans copied from the prompt
   (a CNN/DM article) mixed with spans of unrelated real text (other articles' summaries) at a set
   share; (2) real large-model outputs bucketed by their measured copy share. Measured: end-to-end
-  speed-up per prompt of a bench_generate run against the copy share of the model's own output.
+  speed-up per prompt of an `e2e.generate` run against the copy share of the model's own output.
 
 Writes DIR/{output_length,context_length,copy_share}.{json,md,png} (tables and plots: scaling_report.py)
 and DIR/cost_grid.json.
@@ -39,20 +39,35 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import workloads
-from benchmarks.aider_after import move_method_to_top_level, parse_task
-from benchmarks.baselines import ContextCopyOracle, TransformersPromptLookup
-from benchmarks.common import Timeline, copy_share, eos_of, real_pairs
-from benchmarks.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
-from benchmarks.scaling_report import LENGTHS, PROPOSERS, SHARES, K, markdown, plot
-from lookup_decode.cli.bench import LOOP_THRESHOLD, PLAIN, Variant, environment, interleaved_order, loop_score, spread
+from benchmarks.e2e.aider_after import move_method_to_top_level, parse_task
+from benchmarks.e2e.scaling_report import LENGTHS, PROPOSERS, SHARES, K, markdown, plot
+from benchmarks.harness import workloads
+from benchmarks.harness.baselines import ContextCopyOracle, TransformersPromptLookup
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.metrics import Timeline, copy_share
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.harness.workloads import eos_of, real_pairs
+from benchmarks.micro.cost_grid import (
+    CostGrid,
+    measure_cost_grid,
+    plain_times,
+    step_times,
+    time_to,
+)
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import FIRST_PRIOR_FACTOR, DraftPolicy
 from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.engines.replay import replay
+from lookup_decode.measure import (
+    LOOP_THRESHOLD,
+    PLAIN,
+    Variant,
+    environment,
+    loop_score,
+    spread,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "scaling"
 SIZES = [1, 2, 4, 8, 16, K + 1]      # forward sizes timed per context (a 33-token forward at 100k is slow on a CPU)
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000]
 LOOKUP = Variant("lookup_decode", lookup={"k": K})
@@ -79,7 +94,7 @@ def projected(name: str, prompt, output, cost: CostGrid, eos, lengths=None,
 
     Returns speed-up over plain decoding of the whole output (and after the first L tokens per L in
     `lengths`), mean accepted length and proposer µs per step. first_prior_factor: of the adaptive
-    policy (replay.py --prior-factors varies it).
+    policy (`benchmarks.replay.drafts --prior-factors` varies it).
     """
     proposer, cap, adaptive = make_proposer(name, prompt, output, eos)
     context = len(prompt)
@@ -136,7 +151,7 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
     """End-to-end: plain and lookup_decode once per prompt, timelines -> speed-up after the first L tokens."""
     from transformers import StoppingCriteriaList
 
-    from lookup_decode.cli.bench import run_variant
+    from lookup_decode.measure import run_variant
     device = next(model.parameters()).device
     prompts = []
     for cat in args.output_categories:
@@ -151,14 +166,14 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
         run_variant(model, prompts[0][1], v, 16)
     records = []
     for i, (req, ids) in enumerate(tqdm(prompts, desc="output length (timed)")):
-        runs = {name: [] for name in names}     # per variant: (run, timeline) per repeat
-        for _, name in interleaved_order(names, args.output_repeats, offset=i):
+        def timed_run(name):                    # (run, timeline) of one repeat
             timeline = Timeline(device)
             v = Variant(name, variants[name].lookup,
                         {"stopping_criteria": StoppingCriteriaList([timeline])})
             start = time.perf_counter()
             run = run_variant(model, ids, v, args.output_max_new)
-            runs[name].append((run, timeline.cumulative(ids.shape[1], start)))
+            return run, timeline.cumulative(ids.shape[1], start)
+        runs = side_by_side(names, timed_run, args.output_repeats, offset=i)
         plain, lookup = runs[PLAIN.name][0][0], runs[LOOKUP.name][0][0]
         n = min(len(plain.tokens), len(lookup.tokens))
         lengths = [L for L in LENGTHS if L <= n]
@@ -205,7 +220,7 @@ def part_output(args, model, tokenizer, cost, eos) -> dict:
 # ------------------------------------------------------------------------ measured vs projected
 
 def measured_points(path: str, tokenizer, cost: CostGrid, eos, categories=None) -> list[dict]:
-    """Per prompt of a bench_generate run: measured speed-ups beside the projection for the *same* output.
+    """Per prompt of a `benchmarks.e2e.generate` run: measured speed-ups beside the projection for the *same* output.
 
     speedup: tokens/s ratio of the whole request (prefill included), as measured. decode_speedup: the
     same with lookup_decode's measured prefill time taken off both (plain prefills the same prompt).
@@ -345,9 +360,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-prompts", type=int, default=10)
     ap.add_argument("--copy-length", type=int, default=256, help="tokens per controlled output")
     ap.add_argument("--copy-span", type=float, default=16.0, help="mean span length of the controlled outputs")
-    ap.add_argument("--generate-results", default=None, help="bench_generate results.json: measured points")
+    ap.add_argument("--generate-results", default=None, help="benchmarks.e2e.generate results.json: measured points")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "scaling"))
     args = ap.parse_args(argv)
 
     import torch
@@ -375,7 +390,7 @@ def main(argv=None) -> int:
                 "method": "median of --cost-repeats forwards over n tokens after a synthetic KV cache of T tokens",
                 "contexts": list(args.contexts), "sizes": SIZES, "seconds": seconds,
                 "check": synthetic_vs_real(model, tokenizer, args.cost_repeats)}
-        (out / "cost_grid.json").write_text(json.dumps(grid, indent=1))
+        write_result(out, "cost_grid", grid)
     cost = CostGrid(grid["contexts"], grid["sizes"], grid["seconds"])
 
     env = environment(model, device, args.threads, args.model) if model is not None else environment()
@@ -389,8 +404,7 @@ def main(argv=None) -> int:
     for key in args.parts:
         name, run = parts[key]
         result = {"environment": env, "settings": vars(args), "cost_grid": grid, **run()}
-        (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=_json_default))
-        (out / f"{name}.md").write_text(markdown(name, result, header))
+        write_result(out, name, result, markdown(name, result, header), echo=False, default=_json_default)
         plot(name, result, out / f"{name}.png")
         print(f"wrote {out / name}.json, .md, .png", file=sys.stderr)
     return 0
@@ -400,7 +414,7 @@ def synthetic_vs_real(model, tokenizer, repeats: int, context: int = 2048) -> di
     """The synthetic-cache cost beside the cost after a real prefill of real text (an Aider file), same length."""
     import torch
 
-    from benchmarks.cost_grid import synthetic_cache, time_forwards
+    from benchmarks.micro.cost_grid import synthetic_cache, time_forwards
     from lookup_decode.engines.hf.forward import measure_forward_cost
     text = "".join(r["before_code"] for r in aider_rows()[:5])
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"][:context]])

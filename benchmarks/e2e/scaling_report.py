@@ -1,4 +1,4 @@
-"""Markdown tables and PNG plots of the scaling study (benchmarks/scaling.py), one of each per part."""
+"""Markdown tables and PNG plots of the scaling study (`benchmarks.e2e.scaling`), one of each per part."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.cli.bench import LOOP_THRESHOLD
 from lookup_decode.core.config import LookupConfig
+from lookup_decode.measure import LOOP_THRESHOLD
 
-# The study's grid: `scaling.py` runs it, this module renders what it measured.
+# The study's grid: `benchmarks.e2e.scaling` runs it, this module renders what it measured.
 K = LookupConfig.k
 LENGTHS = [8, 16, 32, 64, 128, 256, 512, 1024]
 SHARES = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -59,7 +59,7 @@ def markdown(part: str, result: dict, header: list[str]) -> str:
         lines += ["# Speed-up vs context length (Aider refactors, whole file re-emitted)", "",
                   "Projected: replay of the mechanical after-file with other Aider files before the task; each "
                   "step priced with the forward cost measured on this machine at that context (synthetic KV "
-                  "cache). Measured: end-to-end aider_refactor prompts of the bench_generate run (the model's own "
+                  "cache). Measured: end-to-end aider_refactor prompts of the e2e.generate run (the model's own "
                   "output, up to its max new tokens).", "",
                   "| target | context tokens | " + " | ".join(PROPOSERS) + " | ours: mean acc. len | ours: µs/step |",
                   "|---|---:|" + "---:|" * (len(PROPOSERS) + 2)]
@@ -84,7 +84,7 @@ def markdown(part: str, result: dict, header: list[str]) -> str:
                       "| real prefill | " + " | ".join(f"{1e3 * x:.0f}" for x in check["real_prefill"]) + " |",
                       "| synthetic | " + " | ".join(f"{1e3 * x:.0f}" for x in check["synthetic"]) + " |", ""]
         if result["measured"]:
-            lines += ["Measured end to end (bench_generate, aider_refactor: the default model's own output), beside "
+            lines += ["Measured end to end (e2e.generate, aider_refactor: the default model's own output), beside "
                       "the projection for that same output:", ""] + _measured_table(result["measured"])
     else:
         lines += ["# Speed-up vs share of copied text", "",
@@ -104,7 +104,7 @@ def markdown(part: str, result: dict, header: list[str]) -> str:
                   "| copy share | pairs | speed-up median [quartiles] |", "|---|---:|---:|"]
         lines += [f"| {b['lo']:.1f}–{b['hi']:.1f} | {b['n']} | {_cell(b)} |" for b in result["real_buckets"]]
         if result["measured"]:
-            lines += ["", "### Measured end to end (bench_generate prompts, without loop-dominated ones)", "",
+            lines += ["", "### Measured end to end (e2e.generate prompts, without loop-dominated ones)", "",
                       "| copy share of the model's output | prompts | speed-up (whole request) |", "|---|---:|---:|"]
             lines += [f"| {b['lo']:.1f}–{b['hi']:.1f} | {b['n']} | {_cell(b)} |"
                       for b in result["measured_buckets_without_loops"]]

@@ -1,6 +1,6 @@
 """How much speed survives sampling: lookup_decode vs plain sampling generate at several temperatures.
 
-    python -m benchmarks.bench_temperature --n-per-workload 3 --max-new-tokens 128
+    python -m benchmarks.e2e.temperature --n-per-workload 3 --max-new-tokens 128
 
 For each prompt and temperature (0 = greedy), plain `model.generate` and lookup_decode run side by side
 in one process, interleaved (order alternating per prompt), after an untimed warm-up, with the same
@@ -12,7 +12,6 @@ also without loop-dominated prompts. Writes DIR/temperature.json, .md and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -20,12 +19,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import workloads
-from lookup_decode.cli.bench import LOOP_THRESHOLD, Variant, environment, loop_score, run_variant
+from benchmarks.harness import workloads
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.models import chat_ids, load_model
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from lookup_decode.measure import (
+    LOOP_THRESHOLD,
+    Variant,
+    environment,
+    loop_score,
+    run_variant,
+)
 
 
 def variants_at(temperature: float) -> list[Variant]:
@@ -115,10 +120,11 @@ def main(argv=None) -> int:
     jobs = [(t, i, name, req) for i, (name, req) in enumerate(prompts) for t in args.temperatures]
     for t, i, name, req in tqdm(jobs, desc="prompt x temperature"):
         ids = chat_ids(tokenizer, req.messages)
-        order = variants_at(t) if i % 2 == 0 else variants_at(t)[::-1]
+        variants = {v.name: v for v in variants_at(t)}      # plain first for even prompts, lookup_decode for odd
         torch.manual_seed(args.seed + i)
-        runs = {v.name: run_variant(model, ids, v, args.max_new_tokens) for v in order}
-        plain, lookup = runs["plain"], runs["lookup_decode"]
+        runs = side_by_side(list(variants), lambda name: run_variant(model, ids, variants[name], args.max_new_tokens),
+                            offset=i)
+        plain, lookup = runs["plain"][0], runs["lookup_decode"][0]
         rows.append({"workload": name, "id": req.id, "temperature": t, "prompt_tokens": ids.shape[1],
                      "plain_tokens": len(plain.tokens), "plain_s": plain.seconds,
                      "lookup_tokens": len(lookup.tokens), "lookup_s": lookup.seconds,
@@ -126,13 +132,10 @@ def main(argv=None) -> int:
                      "steps": lookup.stats.steps, "accepted": lookup.stats.accepted,
                      "drafted": lookup.stats.drafted, "loop_score": loop_score(plain.tokens)})
     summary = summarize(rows, LOOP_THRESHOLD)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     env = environment(model, "cpu", args.threads)
-    (out / "temperature.json").write_text(json.dumps({"environment": env, "rows": rows, "summary": summary}, indent=1))
-    (out / "temperature.md").write_text(to_markdown(summary, env.get("command", "")))
-    plot(summary, out / "temperature.png")
-    print(to_markdown(summary, env.get("command", "")))
+    write_result(args.out, "temperature", {"environment": env, "rows": rows, "summary": summary},
+                 to_markdown(summary, env.get("command", "")))
+    plot(summary, Path(args.out) / "temperature.png")
     return 0
 
 

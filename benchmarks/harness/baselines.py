@@ -1,9 +1,10 @@
-"""Reference proposers for the offline replay, re-implemented from the rules their projects document.
+"""Reference proposers, re-implemented from the rules their projects document: one port of each peer's rule.
 
-All are drafters (`lookup_decode.core.draft.Drafter`), so `lookup_decode.engines.replay.replay` runs them through
-the decoding step: built on the prompt, then `extend(tokens)` and `propose(max_tokens) -> Draft`,
-with the length of the match behind the draft in `Draft.match_len` (0: none). Plain numpy: each
-step rescans the context (O(n) per step), as the originals do.
+All but `VllmNgramProposer` are drafters (`lookup_decode.core.draft.Drafter`), so
+`lookup_decode.engines.replay.replay` runs them through the decoding step: built on the prompt, then
+`extend(tokens)` and `propose(max_tokens) -> Draft`, with the length of the match behind the draft in
+`Draft.match_len` (0: none). Each step rescans the context (O(n) per step), as the originals do (plain
+numpy, and vLLM's n-gram scan in numba as vLLM has it).
 
 * `TransformersPromptLookup` — transformers' PromptLookupCandidateGenerator (greedy, no logits
   processors): for n = max_matching_ngram_size .. 1, the *first* (left-most) window equal to the
@@ -13,7 +14,8 @@ step rescans the context (O(n) per step), as the originals do.
 * `VllmNgram` — vLLM v1's NgramProposer rule: the longest n in [min_n, max_n] whose last-n-token
   suffix occurs earlier (the occurrence may overlap the suffix); among occurrences of that length the
   earliest; the draft is the k tokens after it, ending at the current end at most. No EOS cut.
-  vLLM's default is min_n = max_n = 5.
+  vLLM's default is min_n = max_n = 5. The rule is written once, `ngram_draft` (vLLM's scan, below);
+  `VllmNgramProposer` drives the same function as vLLM's runner drives its `NgramProposer`.
 * `SuffixDecoding` — ArcticInference's SuffixDecoding (Oliaro et al. 2024) as vLLM runs it for one
   request (`method="suffix"`, defaults max_tree_depth 24, max_spec_factor 1.0, min_token_prob 0.1,
   offset 0, path drafts): a suffix tree of depth D over prompt + output counts, for every string s
@@ -38,10 +40,15 @@ step rescans the context (O(n) per step), as the originals do.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+from numba import get_num_threads, njit, prange, set_num_threads
 
 from lookup_decode.core.draft import EMPTY, Draft
 from lookup_decode.core.index import SuffixIndex
+
+NO_LENGTH_LIMIT = 2**62       # max_model_len of a replay: none
 
 
 class _Context:
@@ -105,7 +112,8 @@ class TransformersPromptLookup(_Context):
 
 
 class VllmNgram(_Context):
-    """vLLM's n-gram rule: longest suffix match with min_n <= n <= max_n, earliest occurrence, k tokens.
+    """vLLM's n-gram rule (`ngram_draft`): longest suffix match with min_n <= n <= max_n, earliest occurrence,
+    k tokens.
 
     Examples: [1,2,3,4,2,3] with min_n=2, max_n=3, k=4 -> [4,2,3];
     [1,2,3,4,1,2,3] with min_n=max_n=2, k=2 -> [4,1].
@@ -118,23 +126,12 @@ class VllmNgram(_Context):
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose(self, max_tokens: int) -> Draft:
-        t, L = self.tokens, self.n
         k = min(self.k, max_tokens)
-        if L < self.min_n or k <= 0:
+        if k <= 0:
             return EMPTY
-        ends = np.flatnonzero(t[: L - 1] == t[L - 1])   # earlier positions that end a 1-token match
-        longest, best = 0, -1
-        for m in range(1, self.max_n + 1):              # invariant: ends match the last m tokens
-            if len(ends) == 0:
-                break
-            longest, best = m, int(ends[0])
-            if m == self.max_n or m >= L - 1:
-                break
-            ends = ends[ends - m >= 0]
-            ends = ends[t[ends - m] == t[L - 1 - m]]
-        if longest < self.min_n:
-            return EMPTY
-        return Draft(t[best + 1: min(best + 1 + k, L)].copy(), longest)
+        out = np.empty(k, np.int32)
+        d, matched = ngram_draft(self.tokens, self.min_n, self.max_n, NO_LENGTH_LIMIT, k, out)
+        return Draft(out[:d], matched) if d else EMPTY
 
 
 class SuffixDecoding(_Context):
@@ -297,3 +294,101 @@ class SubstitutionKey:
         draft = self.index.propose(max_tokens)
         self._src = self.index.match_end + 1 if len(draft) else -1
         return draft
+
+
+# ------------------------------------------------------------------------------- vLLM's n-gram scan
+# vllm/v1/spec_decode/ngram_proposer.py, written here from its source: the same algorithm, defaults and driving.
+# * per row with sampled tokens (and fewer than max_model_len tokens), the context
+#   token_ids_cpu[i, :num_tokens_no_spec[i]] is scanned *whole*, every step: one KMP longest-prefix-suffix pass
+#   over the reversed tokens finds the longest n-gram, min_n <= n <= max_n, that ends the context and occurs
+#   earlier (the earliest such occurrence wins), and the k tokens after it (fewer at the end of the context,
+#   never past max_model_len) are the draft;
+# * rows are scanned in parallel (numba prange) with max(1, cpu_count // 2 // tensor_parallel_size) threads, set
+#   around the call and restored, as vLLM does;
+# * defaults: prompt_lookup_min = prompt_lookup_max = 5 (vllm/config/speculative.py), k = num_speculative_tokens.
+# `VllmNgramProposer.propose` has the runner's signature, so `benchmarks.vllm.runner.SimRunner` drives it like
+# lookup_decode's drafter.
+
+@njit(cache=True, nogil=True)
+def ngram_draft(tokens, min_n, max_n, max_model_len, k, out):
+    """Write the draft for context `tokens` (int32 [n]) into out (int32 [>= k]); returns (its length, the length
+    of the match behind it).
+
+    Example: tokens [1,2,3,4,2,3], min_n=2, max_n=3, k=4 -> [4,2,3], (3, 2) (the 2-gram [2,3] first occurs at
+    0; three tokens follow it).
+    """
+    n = tokens.shape[0]
+    if n < min_n:
+        return 0, 0
+    k = min(k, max_model_len - n)
+    if k <= 0:
+        return 0, 0
+    # In reversed order r = tokens[::-1] the context's suffixes are prefixes of r; lps[j] is the longest
+    # proper prefix of r[:j+1] that is also its suffix, kept for the first max_n positions only.
+    lps = np.zeros(max_n, np.int32)
+    best_len, best_at = 0, 0
+    matched, i = 0, 1
+    while i < n:
+        if tokens[n - 1 - matched] == tokens[n - 1 - i]:
+            matched += 1
+            if matched >= best_len:          # ">=": a later i in r is an earlier occurrence in tokens
+                best_len, best_at = matched, i
+            if i < max_n:
+                lps[i] = matched
+            if matched == max_n:
+                matched = lps[max_n - 1]
+            i += 1
+        elif matched:
+            matched = lps[matched - 1]
+        else:
+            i += 1
+    if best_len < min_n:
+        return 0, 0
+    start = n - 1 - best_at + best_len
+    d = min(k, n - start)
+    out[:d] = tokens[start:start + d]
+    return d, best_len
+
+
+@njit(parallel=True, cache=True)
+def _batch(rows, counts, token_ids, min_n, max_n, max_model_len, k, drafts, lengths):
+    for j in prange(rows.shape[0]):
+        i = rows[j]
+        lengths[j] = ngram_draft(token_ids[i, :counts[i]], min_n, max_n, max_model_len, k, drafts[j])[0]
+
+
+class VllmNgramProposer:
+    """vLLM's NgramProposer behind the runner's `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+    slot_mappings=None)`."""
+
+    def __init__(self, k: int, max_model_len: int, *, min_n: int = 5, max_n: int = 5, max_num_seqs: int = 256,
+                 tensor_parallel_size: int = 1):
+        self.k, self.max_model_len, self.min_n, self.max_n = k, max_model_len, min_n, max_n
+        self.drafts = np.zeros((max_num_seqs, k), np.int32)
+        self.lengths = np.zeros(max_num_seqs, np.int32)
+        self.threads = max(1, (os.cpu_count() or 2) // 2 // tensor_parallel_size)
+        self.propose([[1]], np.array([8]), np.zeros((1, 16), np.int32))       # JIT warm-up, as vLLM does
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        counts = np.asarray(num_tokens_no_spec)
+        rows = np.array([i for i, s in enumerate(sampled_token_ids) if len(s) and counts[i] < self.max_model_len],
+                        np.int64)
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        if len(rows) == 0:
+            return out
+        if len(rows) > len(self.drafts):
+            self.drafts = np.zeros((len(rows), self.k), np.int32)
+            self.lengths = np.zeros(len(rows), np.int32)
+        before = get_num_threads()
+        set_num_threads(min(self.threads, len(rows)))
+        try:
+            _batch(rows, counts, np.asarray(token_ids_cpu), self.min_n, self.max_n, self.max_model_len, self.k,
+                   self.drafts, self.lengths)
+        finally:
+            set_num_threads(before)
+        for j, i in enumerate(rows.tolist()):
+            out[i] = self.drafts[j, : self.lengths[j]].tolist()
+        return out
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass

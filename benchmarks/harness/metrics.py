@@ -1,14 +1,10 @@
-"""Helpers only the benchmarks use: per-token timelines, copy share, acceptance histograms, output
-comparison, and the (prompt, output) pairs with real large-model outputs that the replays run on.
-
-What `lookup-decode bench` needs stays in `lookup_decode.cli.bench`; these serve the studies in this folder.
+"""What the studies measure beside `lookup_decode.measure` (variants, timed runs, loop score, spread): per-token
+timelines, copy share, acceptance histograms and output comparison.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -79,36 +75,3 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def eos_of(tokenizer) -> list[int]:
-    """The tokenizer's EOS id as the list drafters take (empty when it has none)."""
-    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-
-def real_pairs(tokenizer, sets: list[str], limit: int | None = None, min_tokens: int = 1,
-               progress: bool = False) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
-    """Per set: (prompt int32 [T], output int32 [n]) for the first `limit` requests with a real reference
-    output (a large model's, or the data set's), then only outputs of at least min_tokens tokens.
-
-    The prompt goes through the chat template, the output is tokenized as plain text.
-    """
-    from tqdm import tqdm
-
-    from benchmarks import workloads
-    from lookup_decode.engines.hf.models import chat_ids
-    pairs = {}
-    for name in sets:
-        reqs = [r for r in workloads.load(name) if r.reference and r.reference.strip()][:limit]
-        got = [(chat_ids(tokenizer, r.messages)[0].numpy().astype(np.int32),
-                np.asarray(tokenizer(r.reference, add_special_tokens=False)["input_ids"], dtype=np.int32))
-               for r in tqdm(reqs, desc=f"tokenize {name}", leave=False, disable=not progress)]
-        pairs[name] = [(p, o) for p, o in got if len(o) >= min_tokens]
-    return pairs
-
-
-def write_json(path, result: dict) -> None:
-    """Write a benchmark's result (environment and command inside) to `path`, making its folder; None: nowhere."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=1))

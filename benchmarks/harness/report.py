@@ -1,7 +1,8 @@
-"""Aggregate, tabulate and plot end-to-end results (bench_generate.py); also re-renders a saved results.json.
+"""Aggregate, tabulate and plot end-to-end results (`benchmarks.e2e.generate`); also re-renders a saved results.json.
 
-    python -m benchmarks.report benchmarks/results/generate/results.json   # rewrite results.md and plots
-    python -m benchmarks.report benchmarks/results/generate/results.json --readme README.md   # and README's table
+    python -m benchmarks.harness.report benchmarks/results/generate/results.json   # rewrite results.md and plots
+    python -m benchmarks.harness.report benchmarks/results/generate/results.json --page docs/benchmarks.md
+                                                         # and the generated results block of that page
 
 Per category (and over all prompts), each statistic is computed twice: over all prompts and
 without loop-dominated ones (the plain output's loop score > threshold: a repetition loop is easy
@@ -16,7 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from lookup_decode.cli.bench import spread, throughput_ratio
+from benchmarks.harness.results import write_result
+from lookup_decode.measure import spread, throughput_ratio
 
 PLAIN, PROMPT_LOOKUP = "plain", "prompt_lookup"
 SUBSETS = {"all_prompts": "all prompts", "without_loops": "without loop-dominated prompts"}
@@ -231,14 +233,15 @@ def plots(result: dict, out: Path) -> list[Path]:
     return written
 
 
-# ------------------------------------------------------------------------------------- README block
+# ------------------------------------------------------------------------- the page's results block
 
-README_START = "<!-- results:generate -->"
-README_END = "<!-- /results:generate -->"
-README_VARIANT = "lookup_decode"
+BLOCK_START = "<!-- results:generate -->"
+BLOCK_END = "<!-- /results:generate -->"
+BLOCK_VARIANT = "lookup_decode"
+PAGE = "docs/benchmarks.md"            # the page that shows the block
 
 
-def _readme_table(agg: dict, variant: str, vs_pld: bool) -> list[str]:
+def _block_table(agg: dict, variant: str, vs_pld: bool) -> list[str]:
     head = ["category", "n", "vs plain"] + (["vs prompt_lookup"] if vs_pld else []) + ["identical", "mean acc. len"]
     lines = ["| " + " | ".join(head) + " |", "| --- | ---: |" + " ---: |" * (len(head) - 2)]
     for c, group in agg.items():
@@ -251,9 +254,9 @@ def _readme_table(agg: dict, variant: str, vs_pld: bool) -> list[str]:
     return lines
 
 
-def readme_block(result: dict, variant: str = README_VARIANT,
-                 source: str = "benchmarks/results/generate/results.json") -> str:
-    """The README's results section (between README_START and README_END), generated from `source`'s result."""
+def results_block(result: dict, variant: str = BLOCK_VARIANT, source: str = "benchmarks/results/generate/results.json",
+                  page: str = PAGE) -> str:
+    """The results block of `page` (between BLOCK_START and BLOCK_END), generated from `source`'s result."""
     env, settings, agg = result["environment"], result["settings"], result["aggregate"]
     vs_pld = PROMPT_LOOKUP in settings["variants"]
     every = agg["all_prompts"]["all"]
@@ -270,51 +273,51 @@ def readme_block(result: dict, variant: str = README_VARIANT,
              + ", interleaved per prompt after a warm-up. Speed-ups are medians of per-prompt tokens/s ratios "
              f"[quartiles] (range). Outputs token-identical to plain `generate`: {every[variant].get('identical', 0)}"
              f"/{every['n']}. Full tables, totals, plots and the environment: `benchmarks/results/generate/`.")
-    lines = [README_START,
-             f"<!-- generated from {source} by `python -m benchmarks.report {source} --readme README.md`; "
+    lines = [BLOCK_START,
+             f"<!-- generated from {source} by `python -m benchmarks.harness.report {source} --page {page}`; "
              "do not edit by hand -->",
              textwrap.fill(intro, width=115, break_on_hyphens=False, break_long_words=False), "",
              "```bash", env["command"], "```", "",
              "Without loop-dominated outputs (the 135M model loops on some inputs; loops are trivially drafted and "
              "carry no claim):", ""]
-    lines += _readme_table(agg["without_loops"], variant, vs_pld)
+    lines += _block_table(agg["without_loops"], variant, vs_pld)
     lines += ["", "With every prompt:", ""]
-    lines += _readme_table(agg["all_prompts"], variant, vs_pld)
-    return "\n".join(lines + [README_END])
+    lines += _block_table(agg["all_prompts"], variant, vs_pld)
+    return "\n".join(lines + [BLOCK_END])
 
 
-def update_readme(readme: Path, block: str) -> None:
-    """Replace the text between README_START and README_END (markers included) with `block`."""
-    text = readme.read_text(encoding="utf-8")
-    start, end = text.find(README_START), text.find(README_END)
+def update_page(page: Path, block: str) -> None:
+    """Replace the text between BLOCK_START and BLOCK_END (markers included) with `block`."""
+    text = page.read_text(encoding="utf-8")
+    start, end = text.find(BLOCK_START), text.find(BLOCK_END)
     if start < 0 or end < start:
-        raise ValueError(f"{readme}: no {README_START} ... {README_END} section to replace")
-    readme.write_text(text[:start] + block + text[end + len(README_END):], encoding="utf-8")
+        raise ValueError(f"{page}: no {BLOCK_START} ... {BLOCK_END} section to replace")
+    page.write_text(text[:start] + block + text[end + len(BLOCK_END):], encoding="utf-8")
 
 
 def write(result: dict, out: Path, with_plots: bool = True) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    if result.get("aggregate"):
-        (out / "results.md").write_text(markdown(result))
-        if with_plots:
-            plots(result, out)
+    """results.json; with aggregates, results.md (and plots)."""
+    write_result(out, "results", result, markdown(result) if result.get("aggregate") else None, echo=False)
+    if result.get("aggregate") and with_plots:
+        plots(result, out)
 
 
 def main(argv=None) -> int:
     import argparse
-    ap = argparse.ArgumentParser(description="Re-render results.md and plots from a bench_generate results.json")
-    ap.add_argument("results", help="results.json of benchmarks.bench_generate")
-    ap.add_argument("--readme", default=None, help="also rewrite this README's generated results section")
+    ap = argparse.ArgumentParser(description="Re-render results.md and plots from a benchmarks.e2e.generate "
+                                 "results.json")
+    ap.add_argument("results", help="results.json of benchmarks.e2e.generate")
+    ap.add_argument("--page", default=None, help=f"also rewrite the generated results block (between the "
+                    f"{BLOCK_START} markers) of this page, e.g. {PAGE}")
     args = ap.parse_args(argv)
     path = Path(args.results)
     result = json.loads(path.read_text())
     result["aggregate"] = aggregate(result["prompts"], result["settings"]["variants"],
                                     result["settings"]["loop_threshold"])
     write(result, path.parent)
-    if args.readme:
-        update_readme(Path(args.readme), readme_block(result, source=args.results))
-        print(f"rewrote the results section of {args.readme}", file=sys.stderr)
+    if args.page:
+        update_page(Path(args.page), results_block(result, source=args.results, page=args.page))
+        print(f"rewrote the results block of {args.page}", file=sys.stderr)
     print(markdown(result))
     return 0
 

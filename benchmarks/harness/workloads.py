@@ -1,7 +1,8 @@
 """Benchmark workloads from ../shared/data (real data written by others; see its README).
 
 Each loader returns `Request`s: chat messages for the model's chat template, plus the real
-reference output of a large model where the data set has one (for offline replay).
+reference output of a large model where the data set has one (for offline replay); `real_pairs`
+tokenizes those into the (prompt, output) pairs the replays run on.
 Set LOOKUP_DECODE_DATA to point elsewhere; the default is the `shared/data` folder beside the repo.
 """
 
@@ -14,10 +15,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 
 def data_dir() -> Path:
     env = os.environ.get("LOOKUP_DECODE_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @dataclass
@@ -196,3 +199,28 @@ def load(name: str) -> list[Request]:
     if name not in WORKLOADS:
         raise KeyError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return WORKLOADS[name]()
+
+
+def eos_of(tokenizer) -> list[int]:
+    """The tokenizer's EOS id as the list drafters take (empty when it has none)."""
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def real_pairs(tokenizer, sets: list[str], limit: int | None = None, min_tokens: int = 1,
+               progress: bool = False) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """Per set: (prompt int32 [T], output int32 [n]) for the first `limit` requests with a real reference
+    output (a large model's, or the data set's), then only outputs of at least min_tokens tokens.
+
+    The prompt goes through the chat template, the output is tokenized as plain text.
+    """
+    from tqdm import tqdm
+
+    from lookup_decode.engines.hf.models import chat_ids
+    pairs = {}
+    for name in sets:
+        reqs = [r for r in load(name) if r.reference and r.reference.strip()][:limit]
+        got = [(chat_ids(tokenizer, r.messages)[0].numpy().astype(np.int32),
+                np.asarray(tokenizer(r.reference, add_special_tokens=False)["input_ids"], dtype=np.int32))
+               for r in tqdm(reqs, desc=f"tokenize {name}", leave=False, disable=not progress)]
+        pairs[name] = [(p, o) for p, o in got if len(o) >= min_tokens]
+    return pairs

@@ -1,6 +1,7 @@
 """Forward cost by context length, and the projected time of a replayed generation priced with it.
 
-Used by the scaling study for contexts the default model cannot hold (its context is 8k tokens) or
+One timing rule for every forward-cost measurement of the benchmarks (`median_seconds`; the GPU check's
+curves use it too). Used by the scaling study for contexts the default model cannot hold (its context is 8k tokens) or
 that would take hours to prefill on a CPU: the cost of one forward over n new tokens after T cached
 tokens is *measured on this machine* with a synthetic KV cache of T random keys/values. A forward's
 cost does not depend on the cached values, only on their shape (attention reads all T of them, and
@@ -15,9 +16,8 @@ time, and plain decoding is one forward over 1 token per emitted token.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +44,19 @@ def synthetic_cache(model, context_tokens: int, seed: int = 0):
     return cache
 
 
+def median_seconds(run: Callable[[], object], after: Callable[[], object], device, repeats: int) -> float:
+    """Median seconds of run() (device work included); after() runs untimed after each (the rollback)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - t)
+        after()
+    return float(np.median(times))
+
+
 def time_forwards(model, cache, sizes: Sequence[int], repeats: int = 3) -> list[float]:
     """Median seconds of one forward over n new tokens on top of `cache` (cropped back after each), per n."""
     import torch
@@ -58,15 +71,8 @@ def time_forwards(model, cache, sizes: Sequence[int], repeats: int = 3) -> list[
         model(input_ids=ids[:, :1], **{arg: cache}, use_cache=True)   # untimed: first use of the shapes
         crop(cache, 1)
         for n in sizes:
-            times = []
-            for _ in range(repeats):
-                sync(device)
-                t = time.perf_counter()
-                model(input_ids=ids[:, :n], **{arg: cache}, use_cache=True)
-                sync(device)
-                times.append(time.perf_counter() - t)
-                crop(cache, n)
-            out.append(statistics.median(times))
+            out.append(median_seconds(lambda: model(input_ids=ids[:, :n], **{arg: cache}, use_cache=True),
+                                      lambda: crop(cache, n), device, repeats))
     return out
 
 

@@ -6,13 +6,13 @@
 #      (plain generate, transformers' prompt lookup, lookup_decode chain and tree), outputs checked.
 # Writes tables (.md), raw numbers (.json) and a plot into $OUT_DIR (default benchmarks/results/gpu_check).
 #
-#   bash benchmarks/gpu_check.sh                  # on the GPU machine, from the repository root
-#   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/gpu_check.sh   # tiny shapes on a CPU (tests/test_gpu_check.py)
+#   bash benchmarks/micro/gpu_check.sh                  # on the GPU machine, from the repository root
+#   DRY_RUN=1 OUT_DIR=/tmp/x bash benchmarks/micro/gpu_check.sh   # tiny shapes on a CPU (tests/test_gpu_check.py)
 #
 # Needs torch, transformers, numpy, numba, matplotlib. Missing ones are installed from wheels in
 # $WHEELS (default shared/wheels) without a network, if that folder exists.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT_DIR:-benchmarks/results/gpu_check}
 WHEELS=${WHEELS:-shared/wheels}
 mkdir -p "$OUT_DIR"
@@ -53,9 +53,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT_DIR/gpu.txt" 2>/dev/null || true
 status=0
 # Each part has its own time limit (the sum stays under 8 minutes); each writes as it goes.
-timeout "$T_COSTS" python -m benchmarks.gpu_costs "${COSTS[@]}" --out "$OUT_DIR" || status=$?
-timeout "$T_1B" python -m benchmarks.forced_replay "${REPLAY_1B[@]}" --out "$OUT_DIR" || status=$?
-timeout "$T_8B" python -m benchmarks.forced_replay "${REPLAY_8B[@]}" --out "$OUT_DIR" || status=$?
-timeout "$T_MISTRAL" python -m benchmarks.forced_replay "${REPLAY_MISTRAL[@]}" --out "$OUT_DIR" || status=$?
+timeout "$T_COSTS" python -m benchmarks.micro.gpu_costs "${COSTS[@]}" --out "$OUT_DIR" || status=$?
+timeout "$T_1B" python -m benchmarks.replay.forced "${REPLAY_1B[@]}" --out "$OUT_DIR" || status=$?
+timeout "$T_8B" python -m benchmarks.replay.forced "${REPLAY_8B[@]}" --out "$OUT_DIR" || status=$?
+timeout "$T_MISTRAL" python -m benchmarks.replay.forced "${REPLAY_MISTRAL[@]}" --out "$OUT_DIR" || status=$?
 ls -l "$OUT_DIR"
 exit $status

@@ -4,38 +4,23 @@ Dynamic cache (what lookup_decode uses by default) and static cache + torch.comp
 forward size, as a compiled deployment would run), random weights (a forward's cost does not depend
 on them), nothing downloaded. Writes costs.json, costs.md and costs.png.
 
-    python -m benchmarks.gpu_costs --shapes llama-3.2-1b llama-3.1-8b --contexts 1024 8192 --dtype bfloat16
+    python -m benchmarks.micro.gpu_costs --shapes llama-3.2-1b llama-3.1-8b --contexts 1024 8192 --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from benchmarks.forced_replay import build
-from lookup_decode.core.cost import sync
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.micro.cost_grid import median_seconds
+from benchmarks.replay.forced import build
 from lookup_decode.engines.hf.cache import crop
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check"
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-
-
-def _median_seconds(run, after, device, repeats: int) -> float:
-    """Median seconds of run() (device work included); after() runs untimed after each (the rollback)."""
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - t)
-        after()
-    return float(np.median(times))
 
 
 def dynamic_curve(model, context: int, sizes, repeats: int) -> list[float]:
@@ -70,7 +55,7 @@ def static_curve(model, context: int, sizes, repeats: int, backend: str, budget_
                 forward(input_ids=x, past_key_values=cache, cache_position=pos, use_cache=True, logits_to_keep=n)
             run()                                                        # compile this size (untimed)
             crop(cache, n)                                               # a static layer steps its write position back
-            out.append(_median_seconds(run, lambda: crop(cache, n), device, repeats))
+            out.append(median_seconds(run, lambda: crop(cache, n), device, repeats))
     torch._dynamo.reset()
     return out
 
@@ -111,7 +96,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from lookup_decode.cli.bench import command_line
+    from lookup_decode.measure import command_line
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
@@ -123,7 +108,7 @@ def main(argv=None) -> int:
                     help="also static cache + torch.compile")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: wiring only, for dry runs)")
     ap.add_argument("--static-budget-s", type=float, default=60.0, help="seconds per static curve (compiles included)")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "gpu_check"))
     args = ap.parse_args(argv)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     result = {"command": command_line(), "device_name": device_name, "dtype": args.dtype, "sizes": args.sizes,
@@ -142,8 +127,7 @@ def main(argv=None) -> int:
                 print(shape, ctx, "static", by[f"static+compile@{ctx}"], flush=True)
             result["curves"][shape] = by
             # Written after every curve: a run cut short by a time limit keeps what it finished.
-            (out / "costs.json").write_text(json.dumps(result, indent=1))
-            (out / "costs.md").write_text(markdown(result) + "\n")
+            write_result(out, "costs", result, markdown(result) + "\n", echo=False)
             plot(result, out / "costs.png")
         del model
         if args.device == "cuda":

@@ -1,9 +1,9 @@
 """Micro-benchmark of the suffix index: µs per decode step (extend by 1 token + propose 32) vs context length.
 
-    python -m benchmarks.bench_index                 # 1k, 10k, 100k, 1M tokens; also times one model forward
-    python -m benchmarks.bench_index --no-model      # index only
-    python -m benchmarks.bench_index --references    # reference documents: suffix index vs pyahocorasick
-    python -m benchmarks.bench_index --references --contexts 10000 --steps 500 --out /tmp/refidx   # smoke
+    python -m benchmarks.micro.index                 # 1k, 10k, 100k, 1M tokens; also times one model forward
+    python -m benchmarks.micro.index --no-model      # index only
+    python -m benchmarks.micro.index --references    # reference documents: suffix index vs pyahocorasick
+    python -m benchmarks.micro.index --references --contexts 10000 --steps 500 --out /tmp/refidx   # smoke
 
 Two texts over a vocabulary of 49,152 ids (SmolLM2's): uniform random tokens (matches are short,
 drafts mostly empty) and a copy-heavy text (spans copied from earlier in the text with a few new
@@ -32,23 +32,21 @@ numbers are exact. Writes reference_index.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.cli.bench import environment
+from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.engines.hf.forward import measure_forward_cost
+from lookup_decode.measure import environment
 from lookup_decode.sources.memory import References
 
 VOCAB = 49152
 CONTEXTS = [1_000, 10_000, 100_000, 1_000_000]
 REFERENCE_SIZES = [10_000, 100_000, 1_000_000]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def random_text(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -225,17 +223,13 @@ def reference_main(args) -> int:
             print(f"{size:>9} {name:<20} build {r['build_s']:.2f} s  {r['bytes'] / size:6.0f} B/token  "
                   f"{r['us_per_step']:.1f} µs/step", file=sys.stderr)
     result = {"environment": environment(), "settings": vars(args), "results": rows}
-    out = Path(args.out or RESULTS / "reference_index")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "reference_index.json").write_text(json.dumps(result, indent=1))
     lines = ["# Reference documents: suffix index vs pyahocorasick", "",
              f"Command: `{result['environment']['command']}`", "",
              "Indicative timings (shared machine); memory is exact. Aho-Corasick matches one n-gram length only.", "",
              "| document tokens | index | build s | bytes/token | µs per step (median) |", "|---:|---|---:|---:|---:|"]
     lines += [f"| {r['tokens']} | {r['index']} | {r['build_s']:.2f} | {r['bytes_per_token']:.0f} | "
               f"{r['us_per_step']:.1f} |" for r in rows]
-    (out / "reference_index.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_result(args.out or RESULTS / "reference_index", "reference_index", result, "\n".join(lines) + "\n")
     return 0
 
 
@@ -275,11 +269,7 @@ def main(argv=None) -> int:
         result["model_forward_ms"], result["environment"] = model_forward_ms(args.threads)
         for r in rows:
             r["forward_over_step"] = 1e3 * result["model_forward_ms"] / r["step_us"]["median"]
-    out = Path(args.out or RESULTS / "index")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "index.json").write_text(json.dumps(result, indent=1))
-    (out / "index.md").write_text(markdown(result))
-    print(markdown(result))
+    write_result(args.out or RESULTS / "index", "index", result, markdown(result))
     return 0
 
 

@@ -1,10 +1,10 @@
 """Offline replay of drafting proposers on real (prompt, output) pairs: acceptance without a model.
 
-    python -m benchmarks.replay                      # all sets with real outputs, caps 10 and 32
-    python -m benchmarks.replay --limit 20           # quick: 20 pairs per set
-    python -m benchmarks.replay --tree-widths 1 2 4  # trees of candidates: best of w branches
-    python -m benchmarks.replay --measure-priors --limit 60 --caps 32       # DraftPolicy's acceptance priors
-    python -m benchmarks.replay --prior-factors 1.0 0.6 --skip 60 --limit 200   # the first-token prior factor
+    python -m benchmarks.replay.drafts                      # all sets with real outputs, caps 10 and 32
+    python -m benchmarks.replay.drafts --limit 20           # quick: 20 pairs per set
+    python -m benchmarks.replay.drafts --tree-widths 1 2 4  # trees of candidates: best of w branches
+    python -m benchmarks.replay.drafts --measure-priors --limit 60 --caps 32       # DraftPolicy's acceptance priors
+    python -m benchmarks.replay.drafts --prior-factors 1.0 0.6 --skip 60 --limit 200   # the first-token prior factor
 
 Each pair is tokenized with the default model's tokenizer (prompt through the chat template, the
 output as plain text) and replayed with `lookup_decode.engines.replay.replay`: at every step the proposer
@@ -15,11 +15,11 @@ steps that kept draft position i over steps that drafted anything (vLLM's conven
 
 Proposers: lookup_decode's SuffixIndex (default LookupConfig), transformers' prompt lookup, vLLM's n-gram rule
 (its default 5..5 and a 2..5 setting), SuffixDecoding (ArcticInference's rule, vLLM defaults), and the
-context-copy ceiling (an oracle; see baselines.py). Ablations of lookup_decode's rules: `ablate_no_resync`
-(local re-sync after a miss off: earliest occurrence), `ablate_substitution_key` (a tolerant key that
-lost; baselines.SubstitutionKey), and `selection_oracle`, the bound of any rule choosing among the
+context-copy ceiling (an oracle; see `benchmarks.harness.baselines`). Ablations of lookup_decode's rules:
+`ablate_no_resync` (local re-sync after a miss off: earliest occurrence), `ablate_substitution_key` (a tolerant
+key that lost; baselines.SubstitutionKey), and `selection_oracle`, the bound of any rule choosing among the
 occurrences of the current suffix.
-With --cost-curve (a bench_generate results.json holding `forward_cost`), each step is also priced
+With --cost-curve (a `benchmarks.e2e.generate` results.json holding `forward_cost`), each step is also priced
 as one forward over draft + 1 tokens on that machine, which adds an estimated speed-up column and
 the adaptive (cost-aware) lookup_decode policy.
 
@@ -51,10 +51,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
-                                  TransformersPromptLookup, VllmNgram)
-from benchmarks.common import eos_of, real_pairs
-from lookup_decode.cli.bench import command_line, environment, spread
+from benchmarks.harness.baselines import (
+    ContextCopyOracle,
+    SelectionOracle,
+    SubstitutionKey,
+    SuffixDecoding,
+    TransformersPromptLookup,
+    VllmNgram,
+)
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.harness.workloads import eos_of, real_pairs
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.draft import kept_prefix
@@ -64,11 +70,11 @@ from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.engines.hf.models import load_tokenizer
 from lookup_decode.engines.replay import estimated_speedup, replay
+from lookup_decode.measure import command_line, environment, spread
 from lookup_decode.sources.tree import branches
 
 SETS = ["cnn_dm", "hagrid", "code_edit", "mt_redundant", "editeval", "clapnq"]
 CAPS = [10, 32]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # name -> (prompt int32 [T], output int32 [n], cap, eos ids) -> proposer
 PROPOSERS = {
@@ -267,8 +273,8 @@ PRIOR_LENGTHS = [8, 16, 32, 64]
 def prior_factor_lines(pairs: dict, factors: list[float], cost_grid: str, eos):
     """Per factor and set: median projected speed-up after the first L tokens, over whole outputs, and
     the geometric mean over whole outputs (lookup_decode, adaptive, priced at each prompt's context)."""
-    from benchmarks.cost_grid import CostGrid
-    from benchmarks.scaling import projected
+    from benchmarks.e2e.scaling import projected
+    from benchmarks.micro.cost_grid import CostGrid
     grid = json.loads(Path(cost_grid).read_text())
     cost = CostGrid(grid["contexts"], grid["sizes"], grid["seconds"])
     yield "factor  set            n   " + "  ".join(f"L={n:<4}" for n in PRIOR_LENGTHS) + "  whole  geo-mean"
@@ -295,7 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--proposers", nargs="+", default=list(PROPOSERS), choices=list(PROPOSERS))
     ap.add_argument("--model", default=None, help="tokenizer source: .gguf file or model folder (default model)")
     ap.add_argument("--cost-curve", default=None,
-                    help="results.json of bench_generate: price steps with its forward cost; adds the adaptive policy")
+                    help="results.json of benchmarks.e2e.generate: price steps with its forward cost; adds the "
+                    "adaptive policy")
     study = ap.add_mutually_exclusive_group()
     study.add_argument("--tree-widths", type=int, nargs="+", default=None,
                        help="instead: trees of up to w branches per step (writes tree_potential.json/.md)")
@@ -326,16 +333,12 @@ def main(argv=None) -> int:
         for line in prior_factor_lines(pairs, args.prior_factors, args.cost_grid, eos):
             print(line, flush=True)
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.tree_widths:
         rows = [{"set": s, "cap": cap, "width": w, **replay_tree(ps, cap, w, eos)}
                 for cap in args.caps for w in args.tree_widths for s, ps in pairs.items()]
         result = {"environment": environment(), "pairs": {s: len(p) for s, p in pairs.items()}, "caps": args.caps,
                   "widths": args.tree_widths, "results": rows}
-        (out / "tree_potential.json").write_text(json.dumps(result, indent=1))
-        (out / "tree_potential.md").write_text(tree_markdown(result))
-        print(tree_markdown(result))
+        write_result(args.out, "tree_potential", result, tree_markdown(result))
         return 0
 
     proposers = {n: PROPOSERS[n] for n in args.proposers}
@@ -354,10 +357,8 @@ def main(argv=None) -> int:
         rows.append({"set": "all", "proposer": name, "cap": cap, **pool(pooled_stats, cost)})
     result = {"environment": environment(), "tokenizer": args.model or "default (SmolLM2-135M-Instruct)",
               "pairs": {s: len(p) for s, p in pairs.items()}, "caps": args.caps, "results": rows}
-    (out / "replay.json").write_text(json.dumps(result, indent=1))
-    (out / "replay.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"\nwrote {out / 'replay.json'} and {out / 'replay.md'}", file=sys.stderr)
+    path = write_result(args.out, "replay", result, markdown(result))
+    print(f"\nwrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
     return 0
 
 

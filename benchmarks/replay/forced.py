@@ -15,24 +15,21 @@ SmolLM2 tokenizer's (the shared sets are tokenized with the default model's toke
 remapped densely when a shape's vocabulary is smaller), so only the copy structure of the outputs
 carries over, not the real tokenizer's segmentation.
 
-    python -m benchmarks.forced_replay --shapes llama-3.2-1b/8 --sets cnn_dm code_edit --limit 3
+    python -m benchmarks.replay.forced --shapes llama-3.2-1b/8 --sets cnn_dm code_edit --limit 3
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lookup_decode.core.cost import sync
+from benchmarks.harness.results import RESULTS, write_result
 
-RESULTS = Path(__file__).resolve().parent / "results" / "forced_replay"
 SETS = ["cnn_dm", "hagrid", "code_edit", "mt_redundant", "editeval", "clapnq"]
-PAIRS = RESULTS / "pairs.npz"
+PAIRS = RESULTS / "forced_replay" / "pairs.npz"
 
 # Published configs (config.json of each model), written out so nothing is downloaded.
 SHAPES = {
@@ -157,7 +154,7 @@ def load_pairs(path: Path, sets, limit: int | None) -> dict:
 
 def write_pairs(path: Path, sets, limit: int, max_prompt: int) -> None:
     """Tokenize the shared sets once (default model's tokenizer) so GPU machines need no tokenizer."""
-    from benchmarks.common import real_pairs
+    from benchmarks.harness.workloads import real_pairs
     from lookup_decode.engines.hf.models import load_tokenizer
     pairs = real_pairs(load_tokenizer(), sets, None, min_tokens=16)
     arrays = {}
@@ -174,15 +171,15 @@ METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_tree")
 
 
 def variant_of(method: str, k: int, tree_width: int):
-    """The `bench.Variant` that runs `method` (one of METHODS)."""
-    from lookup_decode.cli.bench import PLAIN, PROMPT_LOOKUP, Variant
+    """The `measure.Variant` that runs `method` (one of METHODS)."""
+    from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant
     return {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP, "lookup_decode": Variant(method, lookup={"k": k}),
             "lookup_decode_tree": Variant(method, lookup={"k": k, "tree_width": tree_width})}[method]
 
 
 def run_one(model, forced: Forced, method: str, prompt: np.ndarray, output: np.ndarray, k: int, tree_width: int):
-    """`bench.Run` (seconds, emitted tokens, DecodeStats or None) of one method on one recorded pair."""
-    from lookup_decode.cli.bench import run_variant
+    """`measure.Run` (seconds, emitted tokens, DecodeStats or None) of one method on one recorded pair."""
+    from lookup_decode.measure import run_variant
     device = next(model.parameters()).device
     forced.set(np.concatenate([prompt, output]), device)
     ids = torch.as_tensor(prompt[None].astype(np.int64), device=device)
@@ -244,7 +241,7 @@ def markdown(results: dict, header: str) -> str:
 
 
 def main(argv=None) -> int:
-    from lookup_decode.cli.bench import command_line, environment
+    from lookup_decode.measure import command_line, environment
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b/8"],
                     help=f"shape names ({', '.join(SHAPES)}), optionally /f to divide width and depth by f")
@@ -258,7 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--pairs", default=str(PAIRS), help="npz of tokenized pairs (see --write-pairs)")
     ap.add_argument("--write-pairs", action="store_true", help="tokenize the shared sets into --pairs and exit")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "forced_replay"))
     args = ap.parse_args(argv)
     if args.write_pairs:
         write_pairs(Path(args.pairs), args.sets, limit=20, max_prompt=4096)
@@ -281,11 +278,9 @@ def main(argv=None) -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         # Written after every shape: a run cut short by a time limit keeps what it finished.
-        (out / f"{tag}.json").write_text(json.dumps({"environment": env, "args": vars(args), "results": results},
-                                                    indent=1))
         md = markdown(results, f"$ {command_line()}\n\n{args.device}, {args.dtype}; k={args.k}, "
                                f"tree width {args.tree_width}")
-        (out / f"{tag}.md").write_text(md + "\n")
+        write_result(out, tag, {"environment": env, "args": vars(args), "results": results}, md + "\n", echo=False)
     print(md)
     return 0
 

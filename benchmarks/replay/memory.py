@@ -1,14 +1,14 @@
 """Offline replay of session memory and reference documents on real outputs: acceptance without a model.
 
-    python -m benchmarks.replay_memory                       # every workload of memory_sessions.py
-    python -m benchmarks.replay_memory --limit 10 --out /tmp/mem_replay   # quick
+    python -m benchmarks.replay.memory                       # every workload of benchmarks/replay/sessions.py
+    python -m benchmarks.replay.memory --limit 10 --out /tmp/mem_replay   # quick
 
-Each workload (see `benchmarks/memory_sessions.py`) is a sequence of requests with real outputs,
+Each workload (see `benchmarks/replay/sessions.py`) is a sequence of requests with real outputs,
 replayed in order twice: without memory (each request drafts from its own prompt and output only,
 lookup_decode's default) and with one `Memory` for the whole workload (plus its `References`),
 where every request also drafts from earlier outputs and registered documents and then stores its
 output. Steps are replayed with `lookup_decode.engines.replay.replay`: cap-32 drafts, all verified (mean
-accepted length, bonus token included) and, with the forward-cost curve of a bench_generate run,
+accepted length, bonus token included) and, with the forward-cost curve of a `benchmarks.e2e.generate` run,
 with the adaptive policy choosing what to verify (modelled speed-up over plain decoding on that
 machine; the ratio of the two variants is the modelled speed-up of memory over no memory).
 --corpus-min-match / --alone-min-match replay other choices of how long a match in the memory or
@@ -19,7 +19,6 @@ own, ALONE_MIN_MATCH when it has none); benchmarks/results/memory_replay/README.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,10 +26,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import memory_sessions
-from benchmarks.common import eos_of
-from benchmarks.replay import load_cost_curve
-from lookup_decode.cli.bench import environment
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.harness.workloads import eos_of
+from benchmarks.replay import sessions as memory_sessions
+from benchmarks.replay.drafts import load_cost_curve
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.index import SuffixIndex
@@ -38,11 +37,11 @@ from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.engines.replay import estimated_speedup, replay
+from lookup_decode.measure import environment
 from lookup_decode.sources import proposer as sources
 from lookup_decode.sources.memory import Memory
 from lookup_decode.sources.proposer import SourcesProposer
 
-RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_COST = Path("benchmarks/results/generate/results.json")   # relative: run from the repository root
 
 
@@ -140,7 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cap", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=200_000, help="memory bound in tokens (default 200k)")
     ap.add_argument("--cost-curve", default=str(DEFAULT_COST) if DEFAULT_COST.exists() else None,
-                    help="bench_generate results.json with forward_cost (default: the committed one); '' for none")
+                    help="benchmarks.e2e.generate results.json with forward_cost (default: the committed one); "
+                    "'' for none")
     ap.add_argument("--corpus-min-match", type=int, default=sources.CORPUS_MIN_MATCH,
                     help="shortest memory/reference match that may beat a draft of the request's own "
                     f"(default {sources.CORPUS_MIN_MATCH}, the package's)")
@@ -163,12 +163,8 @@ def main(argv=None) -> int:
                                       for label, flag in (("without", False), ("with", True))}})
     result = {"environment": environment(), "cap": args.cap, "max_tokens": args.max_tokens,
               "cost_curve": args.cost_curve, **corpus_kw, "workloads": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "replay.json").write_text(json.dumps(result, indent=1))
-    (out / "replay.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out / 'replay.json'} and {out / 'replay.md'}", file=sys.stderr)
+    path = write_result(args.out, "replay", result, markdown(result))
+    print(f"wrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Multi-request sessions for the memory benchmarks, built from ../shared/data (real texts written by others).
 
-The one builder of sessions for both memory benchmarks: `replay_memory.py` replays them on their real
-outputs (`WORKLOADS`), `bench_memory.py` generates every output with the model itself (`END_TO_END`).
+The one builder of sessions for both memory benchmarks: `benchmarks.replay.memory` replays them on their real
+outputs (`WORKLOADS`), `benchmarks.e2e.memory` generates every output with the model itself (`END_TO_END`).
 A session is a list of `Step`s run in order with one Memory (and References) shared by the whole
 workload. A step's messages may be built from the previous step's output, as a client would: the
 replay passes the real previous output, an end-to-end run the model's own. A step with
@@ -42,7 +42,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.workloads import clapnq_passages, data_dir, maybe_list, read_jsonl, user_turn
+from benchmarks.harness.workloads import (
+    clapnq_passages,
+    data_dir,
+    maybe_list,
+    read_jsonl,
+    user_turn,
+)
 
 
 @dataclass
@@ -173,7 +179,7 @@ def rag_clapnq(question_only: bool, limit: int | None, n_references: int | None 
     return Workload("rag_clapnq_question_only" if question_only else "rag_clapnq", [steps], refs)
 
 
-# Real outputs at every step: what replay_memory.py replays.
+# Real outputs at every step: what benchmarks.replay.memory replays.
 WORKLOADS = {
     "mt_redundant_history": lambda limit: mt_redundant(False, limit),
     "mt_redundant_stateless": lambda limit: mt_redundant(True, limit),
@@ -182,7 +188,7 @@ WORKLOADS = {
     "rag_clapnq": lambda limit: rag_clapnq(False, limit),
     "rag_clapnq_question_only": lambda limit: rag_clapnq(True, limit),
 }
-# The model writes every output: what bench_memory.py runs (limit = chats / files / questions).
+# The model writes every output: what benchmarks.e2e.memory runs (limit = chats / files / questions).
 END_TO_END = {
     "mt_redundant": lambda limit: mt_redundant(False, limit, files=REDUNDANT[:1]),
     "edits": edit_chain,

@@ -1,17 +1,17 @@
 """lookup_decode's vLLM drafter against vLLM's own proposers, driven as vLLM's runner drives them (no GPU).
 
-    python -m benchmarks.bench_vllm cost       # drafter CPU time per engine step vs vLLM's n-gram proposer
-    python -m benchmarks.bench_vllm replay     # tokens per step on the shared sets, K = 4, 8, 16
-    python -m benchmarks.bench_vllm replicas   # 4 replicas sharing memory files vs 4 isolated ones
-    python -m benchmarks.bench_vllm engine     # the real vLLM engine: lookup_decode vs none/ngram/suffix
-                                               # (benchmarks/vllm_engine.py; `engine --help` for its flags)
+    python -m benchmarks.vllm.bench cost       # drafter CPU time per engine step vs vLLM's n-gram proposer
+    python -m benchmarks.vllm.bench replay     # tokens per step on the shared sets, K = 4, 8, 16
+    python -m benchmarks.vllm.bench replicas   # 4 replicas sharing memory files vs 4 isolated ones
+    python -m benchmarks.vllm.bench engine     # the real vLLM engine: lookup_decode vs none/ngram/suffix
+                                               # (benchmarks/vllm/engine.py; `engine --help` for its flags)
 
 Every proposer runs behind the runner's `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`:
 * cost: a persistent batch of B rows of T tokens; after one untimed step (lookup_decode indexes each
   row once) every step appends 2 tokens per row, then each proposer drafts for the whole batch;
-  median seconds per step. vLLM's n-gram proposer is `benchmarks.vllm_ngram` (its algorithm and
-  defaults, prange over rows with vLLM's thread count).
-* replay: `benchmarks.vllm_runner.SimRunner` (a persistent batch of 16 rows, requests joining as rows
+  median seconds per step. vLLM's n-gram proposer is `benchmarks.harness.baselines.VllmNgramProposer` (its
+  algorithm and defaults, prange over rows with vLLM's thread count).
+* replay: `benchmarks.vllm.runner.SimRunner` (a persistent batch of 16 rows, requests joining as rows
   free up) with each set's real (prompt, output) pairs as the target: every step emits the accepted
   prefix of the draft plus the true next token. Tokens per step = tokens emitted per decode step, the
   bonus token included. SuffixDecoding is ArcticInference's own package (`arctic_inference`, its C++
@@ -19,7 +19,7 @@ Every proposer runs behind the runner's `propose(sampled_token_ids, num_tokens_n
   add_active_response, speculate on the last max_tree_depth tokens, stop_request when the request
   leaves the batch, one global cache of responses across the set; vLLM's defaults (depth 24,
   max_spec_factor 1, min_token_prob 0.1, 10,000 cached requests).
-* replicas: the multi-turn memory workloads (benchmarks/memory_sessions.py) with each request routed to
+* replicas: the multi-turn memory workloads (benchmarks/replay/sessions.py) with each request routed to
   one of 4 replicas at random; "shared": each replica saves its memory to its own file after every
   turn and loads the others' (LOOKUP_DECODE_MEMORY lists all four files, reload between turns);
   "isolated": each replica keeps its own memory. Tokens per step of the scored turns.
@@ -36,13 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.vllm_ngram import VllmNgramProposer
-from benchmarks.vllm_runner import SimRequest, SimRunner
-from lookup_decode.cli.bench import environment
+from benchmarks.harness.baselines import VllmNgramProposer
+from benchmarks.harness.results import RESULTS, write_result
+from benchmarks.vllm.runner import SimRequest, SimRunner
 from lookup_decode.engines.vllm.drafter import LookupDrafter, Settings
+from lookup_decode.measure import environment
 from lookup_decode.sources.memory import Memory
 
-RESULTS = Path(__file__).resolve().parent / "results" / "vllm"
 MACHINE_NOTE = ("Taken on a shared, busy 2-core machine (3 other engineers' jobs running): absolute times are "
                 "noisy; the two proposers were timed alternately on the same batches.")
 
@@ -186,7 +186,7 @@ def replay_methods(k: int, eos, with_arctic: bool) -> dict:
 
 
 def bench_replay(sets, ks, limit: int) -> dict:
-    from benchmarks.common import eos_of, real_pairs
+    from benchmarks.harness.workloads import eos_of, real_pairs
     from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer()
     eos = eos_of(tokenizer)
@@ -230,9 +230,9 @@ def replay_markdown(result, command) -> str:
 
 # -- replicas -----------------------------------------------------------------------------------------
 def bench_replicas(workloads, limit: int, k: int, replicas: int = 4, seed: int = 0) -> dict:
-    from benchmarks import memory_sessions
-    from benchmarks.common import eos_of
-    from benchmarks.replay_memory import tokenize
+    from benchmarks.harness.workloads import eos_of
+    from benchmarks.replay import sessions as memory_sessions
+    from benchmarks.replay.memory import tokenize
     from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer()
     eos = eos_of(tokenizer)
@@ -302,9 +302,9 @@ def replicas_markdown(result, command, k: int) -> str:
 def main(argv=None) -> None:
     import sys
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["engine"]:          # its own flags and defaults (vllm_engine.py), no simulation
-        from benchmarks import vllm_engine
-        return vllm_engine.main(argv[1:])
+    if argv[:1] == ["engine"]:          # its own flags and defaults (engine.py), no simulation
+        from benchmarks.vllm import engine
+        return engine.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["cost", "replay", "replicas", "engine"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -315,29 +315,25 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", nargs="+", default=["mt_redundant_history", "mt_redundant_stateless", "rerun"])
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--draft-cost", type=float, default=0.0, help="cost: lookup_decode's LOOKUP_DECODE_DRAFT_COST")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "vllm")
     args = ap.parse_args(argv)
-    command = "python -m benchmarks.bench_vllm " + " ".join(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks.vllm.bench " + " ".join(argv)
     env = environment()
     if args.what == "cost":
         rows = bench_cost(args.batches, args.contexts, (args.k or [8])[0], args.steps, args.draft_cost)
         name = "cost" if args.draft_cost == 0 else f"cost_draft_cost_{args.draft_cost:g}"
-        (args.out / f"{name}.json").write_text(json.dumps({"command": command, "environment": env, "rows": rows},
-                                                          indent=1))
-        (args.out / f"{name}.md").write_text(cost_markdown(rows, command))
+        write_result(args.out, name, {"command": command, "environment": env, "rows": rows},
+                     cost_markdown(rows, command), echo=False)
     elif args.what == "replay":
-        from benchmarks.replay import SETS
+        from benchmarks.replay.drafts import SETS
         result = bench_replay(args.sets or SETS, args.k or [4, 8, 16], args.limit)
-        (args.out / "replay.json").write_text(json.dumps({"command": command, "environment": env, "result": result},
-                                                         indent=1))
-        (args.out / "replay.md").write_text(replay_markdown(result, command))
+        write_result(args.out, "replay", {"command": command, "environment": env, "result": result},
+                     replay_markdown(result, command), echo=False)
     else:
         k = (args.k or [16])[0]
         result = bench_replicas(args.workloads, args.limit, k)
-        (args.out / "replicas.json").write_text(json.dumps({"command": command, "environment": env, "result": result},
-                                                           indent=1))
-        (args.out / "replicas.md").write_text(replicas_markdown(result, command, k))
+        write_result(args.out, "replicas", {"command": command, "environment": env, "result": result},
+                     replicas_markdown(result, command, k), echo=False)
 
 
 if __name__ == "__main__":

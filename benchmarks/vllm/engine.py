@@ -1,7 +1,7 @@
-"""lookup_decode against vLLM's own drafters inside the real vLLM engine (`python -m benchmarks.bench_vllm engine`).
+"""lookup_decode against vLLM's own drafters inside the real vLLM engine (`python -m benchmarks.vllm.bench engine`).
 
-    nice -n 10 python -m benchmarks.bench_vllm engine                        # the committed run
-    python -m benchmarks.bench_vllm engine --workloads code_edit mt_bench --batches 1 8 \\
+    nice -n 10 python -m benchmarks.vllm.bench engine                        # the committed run
+    python -m benchmarks.vllm.bench engine --workloads code_edit mt_bench --batches 1 8 \\
         --requests 2 --max-tokens 32 --repeats 1 --out /tmp/engine_smoke     # a smoke run
 
 Methods (same model, same requests, same num_speculative_tokens K): `none` (no speculation), `ngram` (vLLM's
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "vllm"
 
 # method name -> speculative_config without num_speculative_tokens (None: no speculation)
@@ -524,7 +524,7 @@ def default_model() -> str | None:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="a transformers model folder (default: the exported default model)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, help="benchmarks.workloads names")
+    ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, help="benchmarks.harness.workloads names")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=2, help="requests per workload and batch size (rounded up to "
                     "whole batches: batch 8 runs 8, batch 32 runs 32)")
@@ -558,7 +558,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_vllm engine", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm.bench engine", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     args = ap.parse_args(argv)
@@ -570,7 +570,7 @@ def parse_args(argv) -> argparse.Namespace:
 def load_requests(tokenizer, workloads: list[str], limit_tokens: int) -> tuple[list[dict], dict[str, list[int]]]:
     """Every request of the workloads whose chat-templated prompt has <= limit_tokens tokens, tokenized:
     (requests [{"workload", "id", "prompt_token_ids"}], {workload: indices into requests})."""
-    from benchmarks import workloads as sets
+    from benchmarks.harness import workloads as sets
     from lookup_decode.engines.hf.models import chat_ids
     requests, available = [], {}
     for name in workloads:
@@ -595,7 +595,7 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
         t = time.perf_counter()
         with open(log, "w") as f:
             try:
-                rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm_engine", "child", str(plan_path), method,
+                rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm.engine", "child", str(plan_path), method,
                                      str(out), str(repeat)], check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     timeout=timeout).returncode
             except subprocess.TimeoutExpired:
@@ -619,22 +619,20 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
 
 def finish(result: dict, out: Path, name: str) -> None:
     """Summary, goals, files, printout."""
-    from benchmarks.common import write_json
+    from benchmarks.harness.results import write_result
     result["summary"] = summarize(result["runs"], result["settings"]["stat"])
     result["goals"] = goals(result["summary"])
     info = next((r["info"] for r in result["runs"] if "info" in r), None)
     result["engine_info"] = info
     text = markdown(result)
-    write_json(out / f"{name}.json", result)
-    (out / f"{name}.md").write_text(text)
-    print(text)
+    write_result(out, name, result, text)
     print("\n".join(goal_lines(result["goals"])))
     print(f"--- wrote {out / (name + '.json')} and {out / (name + '.md')}")
 
 
 def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from lookup_decode.cli.bench import command_line, environment
+    from lookup_decode.measure import command_line, environment
     if args.from_json:
         result = json.loads(args.from_json.read_text())
         finish(result, args.out, args.name)
@@ -653,7 +651,7 @@ def main(argv=None) -> None:
     try:
         cells = plan_cells(available, args.batches, args.requests, args.once_batches if args.repeats > 1 else ())
     except ValueError as e:
-        raise SystemExit(f"bench_vllm engine: {e}")
+        raise SystemExit(f"benchmarks.vllm.bench engine: {e}")
     used = sorted({i for c in cells for g in c["groups"] for i in g})
     settings = {"model": model, "k": args.k, "max_tokens": args.max_tokens, "max_model_len": args.max_model_len,
                 "kv_cache_memory_bytes": args.kv_cache_bytes or None, "dtype": args.dtype, "enforce_eager": eager,

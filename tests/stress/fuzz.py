@@ -8,8 +8,8 @@ sampling (top_k=0) is compared by outcome only here; its distribution is tests/t
 
 A case is a JSON-able dict drawn from one seeded rng, so every failure is replayed by its seed and index:
 
-    python -m benchmarks.fuzz --cases 5000 --seed 1 --out benchmarks/results/fuzz/fuzz_5000.json
-    python -m benchmarks.fuzz --replay 1:1234          # one case, with its traceback
+    python -m tests.stress.fuzz --cases 5000 --seed 1 --out benchmarks/results/fuzz/fuzz_5000.json
+    python -m tests.stress.fuzz --replay 1:1234          # one case, with its traceback
 
 Outcomes: same, near_tie (first difference after a position where plain's two best scores are within
 1e-5: a different reduction order may flip it), stopped_row (see `compare`), both_raise, refused (ours
@@ -31,7 +31,7 @@ import traceback
 import numpy as np
 import torch
 import transformers as tf
-from transformers import LogitsProcessorList, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 import lookup_decode
 
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     def write(done):
         if args.out:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            result = dict(command=f"python -m benchmarks.fuzz --cases {args.cases} --seed {args.seed}",
+            result = dict(command=f"python -m tests.stress.fuzz --cases {args.cases} --seed {args.seed}",
                           cases_done=done, cases_asked=args.cases, seconds=round(time.time() - t0, 1),
                           outcomes=dict(counts), failures=failures, accepted_tokens=accepted,
                           refusals=dict(refusals.most_common()), cases_per_kind=dict(kinds.most_common()),

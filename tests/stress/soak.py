@@ -2,7 +2,7 @@
 register, remove and evict; every output must equal plain generate's, nothing may deadlock, the memory
 stays within its bound and the saved file is always loadable.
 
-    python -m benchmarks.soak --seconds 600 --out benchmarks/results/soak/soak_600s.json
+    python -m tests.stress.soak --seconds 600 --out benchmarks/results/soak/soak_600s.json
 
 tests/test_soak.py runs a short version (a fixed number of operations per thread, no clock).
 """
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = soak(seconds=args.seconds, generators=args.generators)
-    result["command"] = f"python -m benchmarks.soak --seconds {args.seconds:g} --generators {args.generators}"
+    result["command"] = f"python -m tests.stress.soak --seconds {args.seconds:g} --generators {args.generators}"
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
