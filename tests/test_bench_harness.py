@@ -305,24 +305,26 @@ def test_vllm_ngram_examples(tokens, k, min_n, max_n, expected):
 
 
 def vllm_rule_brute_force(t, k, min_n, max_n):
+    """(draft, match length) of vLLM's n-gram rule, by brute force."""
     L = len(t)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         for s in range(0, L - n):                      # occurrence t[s:s+n] ends at s+n-1 <= L-2
             if t[s:s + n] == t[L - n:]:
-                return t[s + n: s + n + k]
-    return []
+                return t[s + n: s + n + k], n
+    return [], 0
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_vllm_ngram_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
-    for _ in range(60):
-        t = rng.integers(0, 3, size=int(rng.integers(1, 30))).tolist()
+    for _ in range(100):
+        t = rng.integers(0, 3, size=int(rng.integers(1, 60))).tolist()
         min_n = int(rng.integers(1, 4))
         max_n = min_n + int(rng.integers(0, 4))
         k = int(rng.integers(1, 6))
-        assert VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100).tokens.tolist() == \
-            vllm_rule_brute_force(t, k, min_n, max_n), (t, k, min_n, max_n)
+        draft = VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100)
+        assert (draft.tokens.tolist(), draft.match_len) == vllm_rule_brute_force(t, k, min_n, max_n), \
+            (t, k, min_n, max_n)
 
 
 def test_context_copy_oracle_matches_brute_force():
