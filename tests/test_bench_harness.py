@@ -275,9 +275,7 @@ def test_transformers_prompt_lookup_examples(tokens, kwargs, expected):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_transformers_prompt_lookup_matches_transformers(seed):
-    from transformers.generation.candidate_generator import (
-        PromptLookupCandidateGenerator,
-    )
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
     rng = np.random.default_rng(seed)
     for _ in range(40):
         tokens = rng.integers(0, 4, size=int(rng.integers(1, 30))).tolist()

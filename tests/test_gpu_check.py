@@ -11,15 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.replay.forced import (  # noqa: E402
-    PAIRS,
-    Forced,
-    build,
-    config_of,
-    forced_replay,
-    load_pairs,
-    remap,
-)
+from benchmarks.replay.forced import PAIRS, Forced, build, config_of, forced_replay, load_pairs, remap  # noqa: E402
 
 
 def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):

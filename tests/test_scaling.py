@@ -13,22 +13,10 @@ from conftest import repetitive_prompt
 
 from benchmarks.e2e import generate as bench_generate
 from benchmarks.e2e.aider_after import move_method_to_top_level, parse_task
-from benchmarks.e2e.scaling import (
-    PROPOSERS,
-    bucket_medians,
-    controlled_copy_output,
-    projected,
-)
+from benchmarks.e2e.scaling import PROPOSERS, bucket_medians, controlled_copy_output, projected
 from benchmarks.harness import report, workloads
 from benchmarks.harness.metrics import Timeline, copy_share
-from benchmarks.micro.cost_grid import (
-    CostGrid,
-    plain_times,
-    step_times,
-    synthetic_cache,
-    time_forwards,
-    time_to,
-)
+from benchmarks.micro.cost_grid import CostGrid, plain_times, step_times, synthetic_cache, time_forwards, time_to
 from lookup_decode import measure
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,26 +47,13 @@ from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline, copy_share
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
-from benchmarks.micro.cost_grid import (
-    CostGrid,
-    measure_cost_grid,
-    plain_times,
-    step_times,
-    time_to,
-)
+from benchmarks.micro.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import FIRST_PRIOR_FACTOR, DraftPolicy
 from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.engines.replay import replay
-from lookup_decode.measure import (
-    LOOP_THRESHOLD,
-    PLAIN,
-    Variant,
-    environment,
-    loop_score,
-    spread,
-)
+from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, Variant, environment, loop_score, spread
 
 SIZES = [1, 2, 4, 8, 16, K + 1]      # forward sizes timed per context (a 33-token forward at 100k is slow on a CPU)
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 100000]

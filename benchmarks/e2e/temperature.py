@@ -24,13 +24,7 @@ from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.models import chat_ids, load_model
-from lookup_decode.measure import (
-    LOOP_THRESHOLD,
-    Variant,
-    environment,
-    loop_score,
-    run_variant,
-)
+from lookup_decode.measure import LOOP_THRESHOLD, Variant, environment, loop_score, run_variant
 
 
 def variants_at(temperature: float) -> list[Variant]:

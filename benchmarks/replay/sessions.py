@@ -42,13 +42,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.harness.workloads import (
-    clapnq_passages,
-    data_dir,
-    maybe_list,
-    read_jsonl,
-    user_turn,
-)
+from benchmarks.harness.workloads import clapnq_passages, data_dir, maybe_list, read_jsonl, user_turn
 
 
 @dataclass

@@ -21,14 +21,7 @@ from pathlib import Path
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.records import RecordError, messages_of, read_rows
-from lookup_decode.measure import (
-    PLAIN,
-    Variant,
-    compare,
-    environment,
-    measure,
-    run_variant,
-)
+from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, run_variant
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
