@@ -17,8 +17,11 @@ from benchmarks.harness.baselines import (
     TransformersPromptLookup,
     VllmNgram,
 )
+from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import accepted_histogram, first_mismatch
+from benchmarks.harness.results import write_result
 from benchmarks.replay import drafts as study
+from benchmarks.replay import fingerprint
 from lookup_decode import measure
 from lookup_decode.cli import bench
 from lookup_decode.core.cost import CostCurve
@@ -75,6 +78,37 @@ def test_measure_follows_interleaved_order_and_records_tokens():
     summary = measure.compare(measured, "lookup")
     assert summary["identical"] == 0 and summary["n"] == 2
     json.dumps(summary)  # the --json output must serialize
+
+
+def test_side_by_side_interleaves_and_keeps_every_run():
+    calls = []
+    runs = side_by_side(["a", "b"], lambda name: calls.append(name) or len(calls), repeats=2, offset=1)
+    assert calls == ["b", "a", "a", "b"]                     # measure.interleaved_order, rotated by the offset
+    assert runs == {"b": [1, 4], "a": [2, 3]} and list(runs) == ["b", "a"]   # names in the order they first ran
+
+
+def test_write_result_writes_json_markdown_and_the_command(tmp_path, capsys):
+    path = write_result(tmp_path / "out", "r", {"x": 1}, "# table\n")
+    assert path == tmp_path / "out" / "r.json"
+    saved = json.loads(path.read_text())
+    assert saved["x"] == 1 and saved["command"]              # a result without a command gets the running one
+    assert (tmp_path / "out" / "r.md").read_text() == "# table\n" and "# table" in capsys.readouterr().out
+    write_result(tmp_path, "s", {"environment": {"command": "python -m x"}})
+    assert "command" not in json.loads((tmp_path / "s.json").read_text())       # the environment names it
+    assert not (tmp_path / "s.md").exists()
+
+
+def test_fingerprint_is_deterministic_and_covers_every_step():
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 30, size=200).astype(np.int32)
+    pairs = {"cnn_dm": [(prompt, np.concatenate([prompt[20:80], prompt[100:140]]))],
+             "code_edit": [(prompt[:50], rng.integers(3, 30, size=40).astype(np.int32))]}
+    rows = fingerprint.fingerprint(pairs, eos=[0])
+    assert [r[0] for r in rows] == ["cap 10 fixed", "cap 10 adaptive", "cap 32 fixed", "cap 32 adaptive", "all"]
+    assert rows[-1][1] == sum(r[1] for r in rows[:-1]) > 0
+    assert fingerprint.fingerprint(pairs, eos=[0]) == rows
+    other = {"cnn_dm": pairs["cnn_dm"], "code_edit": [(prompt[:50], prompt[:40])]}
+    assert fingerprint.fingerprint(other, eos=[0])[-1][2] != rows[-1][2]
 
 
 # ------------------------------------------------------------------------------ ratios and spread
