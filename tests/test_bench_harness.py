@@ -8,11 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import replay as study
-from benchmarks import report
-from benchmarks.baselines import (ContextCopyOracle, SelectionOracle, SubstitutionKey, SuffixDecoding,
-                                  TransformersPromptLookup, VllmNgram)
-from benchmarks.common import accepted_histogram, first_mismatch
+from benchmarks.harness import report
+from benchmarks.harness.baselines import (
+    ContextCopyOracle,
+    SelectionOracle,
+    SubstitutionKey,
+    SuffixDecoding,
+    TransformersPromptLookup,
+    VllmNgram,
+)
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.metrics import accepted_histogram, first_mismatch
+from benchmarks.harness.results import write_result
+from benchmarks.replay import drafts as study
+from benchmarks.replay import fingerprint
+from lookup_decode import measure
 from lookup_decode.cli import bench
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.draft import Draft
@@ -23,15 +33,15 @@ from lookup_decode.engines import replay
 # ------------------------------------------------------------------------------------ interleaving
 
 def test_interleaved_order_rotates_each_repeat():
-    assert bench.interleaved_order(["a", "b", "c"], 2) == [
+    assert measure.interleaved_order(["a", "b", "c"], 2) == [
         (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a")]
-    assert bench.interleaved_order(["a", "b", "c"], 1, offset=2) == [(0, "c"), (0, "a"), (0, "b")]
+    assert measure.interleaved_order(["a", "b", "c"], 1, offset=2) == [(0, "c"), (0, "a"), (0, "b")]
 
 
 @pytest.mark.parametrize("n_variants,repeats,offset", [(1, 3, 0), (2, 4, 1), (4, 4, 0), (4, 8, 3)])
 def test_interleaved_order_runs_every_variant_once_per_repeat(n_variants, repeats, offset):
     names = [f"v{i}" for i in range(n_variants)]
-    order = bench.interleaved_order(names, repeats, offset)
+    order = measure.interleaved_order(names, repeats, offset)
     assert len(order) == n_variants * repeats
     for r in range(repeats):
         assert sorted(v for rr, v in order if rr == r) == names
@@ -58,37 +68,68 @@ class FakeModel:
 def test_measure_follows_interleaved_order_and_records_tokens():
     model = FakeModel()
     prompts = [torch.tensor([[10, 1]]), torch.tensor([[11, 1]])]
-    variants = [bench.PLAIN, bench.PROMPT_LOOKUP, bench.Variant("lookup", lookup={"k": 4})]
-    measured = bench.measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
+    variants = [measure.PLAIN, measure.PROMPT_LOOKUP, measure.Variant("lookup", lookup={"k": 4})]
+    measured = measure.measure(model, prompts, variants, max_new_tokens=3, repeats=2, progress=lambda: None)
     assert model.calls == [(10, "plain"), (10, "pld"), (10, "lookup"), (10, "pld"), (10, "lookup"), (10, "plain"),
                            (11, "pld"), (11, "lookup"), (11, "plain"), (11, "lookup"), (11, "plain"), (11, "pld")]
     assert measured[0]["plain"].tokens == [7, 8, 9]
     assert measured[0]["lookup"].tokens == [7, 8, 0]
     assert measured[0]["lookup"].stats.steps == 1
-    summary = bench.compare(measured, "lookup")
+    summary = measure.compare(measured, "lookup")
     assert summary["identical"] == 0 and summary["n"] == 2
     json.dumps(summary)  # the --json output must serialize
+
+
+def test_side_by_side_interleaves_and_keeps_every_run():
+    calls = []
+    runs = side_by_side(["a", "b"], lambda name: calls.append(name) or len(calls), repeats=2, offset=1)
+    assert calls == ["b", "a", "a", "b"]                     # measure.interleaved_order, rotated by the offset
+    assert runs == {"b": [1, 4], "a": [2, 3]} and list(runs) == ["b", "a"]   # names in the order they first ran
+
+
+def test_write_result_writes_json_markdown_and_the_command(tmp_path, capsys):
+    path = write_result(tmp_path / "out", "r", {"x": 1}, "# table\n")
+    assert path == tmp_path / "out" / "r.json"
+    saved = json.loads(path.read_text())
+    assert saved["x"] == 1 and saved["command"]              # a result without a command gets the running one
+    assert (tmp_path / "out" / "r.md").read_text() == "# table\n" and "# table" in capsys.readouterr().out
+    write_result(tmp_path, "s", {"environment": {"command": "python -m x"}})
+    assert "command" not in json.loads((tmp_path / "s.json").read_text())       # the environment names it
+    assert not (tmp_path / "s.md").exists()
+
+
+def test_fingerprint_is_deterministic_and_covers_every_step():
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 30, size=200).astype(np.int32)
+    pairs = {"cnn_dm": [(prompt, np.concatenate([prompt[20:80], prompt[100:140]]))],
+             "code_edit": [(prompt[:50], rng.integers(3, 30, size=40).astype(np.int32))]}
+    rows = fingerprint.fingerprint(pairs, eos=[0])
+    assert [r[0] for r in rows] == ["cap 10 fixed", "cap 10 adaptive", "cap 32 fixed", "cap 32 adaptive", "all"]
+    assert rows[-1][1] == sum(r[1] for r in rows[:-1]) > 0
+    assert fingerprint.fingerprint(pairs, eos=[0]) == rows
+    other = {"cnn_dm": pairs["cnn_dm"], "code_edit": [(prompt[:50], prompt[:40])]}
+    assert fingerprint.fingerprint(other, eos=[0])[-1][2] != rows[-1][2]
 
 
 # ------------------------------------------------------------------------------ ratios and spread
 
 def test_spread_quartiles_and_range():
-    s = bench.spread([4, 1, 3, 2])
+    s = measure.spread([4, 1, 3, 2])
     assert s == {"n": 4, "median": 2.5, "q1": 1.75, "q3": 3.25, "min": 1.0, "max": 4.0}
-    assert bench.spread([]) == {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None}
+    assert measure.spread([]) == {"n": 0, "median": None, "q1": None, "q3": None, "min": None, "max": None}
 
 
 def test_speedup_is_a_ratio_of_tokens_per_second():
-    assert bench.speedup((100, 10.0), (100, 5.0)) == pytest.approx(2.0)
-    assert bench.speedup((100, 10.0), (50, 2.0)) == pytest.approx(2.5)     # different output lengths
+    assert measure.speedup((100, 10.0), (100, 5.0)) == pytest.approx(2.0)
+    assert measure.speedup((100, 10.0), (50, 2.0)) == pytest.approx(2.5)     # different output lengths
 
 
 def test_throughput_ratio_weighs_long_prompts_unlike_the_median():
     base = [(100, 10.0), (10, 10.0)]
     other = [(100, 5.0), (10, 10.0)]
-    per_prompt = [bench.speedup(b, o) for b, o in zip(base, other)]
-    assert bench.spread(per_prompt)["median"] == pytest.approx(1.5)
-    assert bench.throughput_ratio(base, other) == pytest.approx((110 / 15) / (110 / 20))
+    per_prompt = [measure.speedup(b, o) for b, o in zip(base, other)]
+    assert measure.spread(per_prompt)["median"] == pytest.approx(1.5)
+    assert measure.throughput_ratio(base, other) == pytest.approx((110 / 15) / (110 / 20))
 
 
 def test_first_mismatch():
@@ -109,13 +150,13 @@ def test_accepted_histogram_from_accepted_at():
 # -------------------------------------------------------------------------------------- loop score
 
 def test_loop_score_worked_examples():
-    assert bench.loop_score([]) == 0.0
-    assert bench.loop_score(list(range(50))) == 0.0
-    assert bench.loop_score([1, 2, 3] * 3, n=3) == pytest.approx(6 / 9)
-    assert bench.loop_score([1, 2, 3, 4] * 4) == pytest.approx(12 / 16)   # 8-grams from position 4 on repeat
+    assert measure.loop_score([]) == 0.0
+    assert measure.loop_score(list(range(50))) == 0.0
+    assert measure.loop_score([1, 2, 3] * 3, n=3) == pytest.approx(6 / 9)
+    assert measure.loop_score([1, 2, 3, 4] * 4) == pytest.approx(12 / 16)   # 8-grams from position 4 on repeat
     block = list(range(100, 110))
-    assert bench.loop_score(block + block) == pytest.approx(10 / 20)       # one copied 10-token block
-    assert bench.loop_score([5] * 7) == 0.0                                 # shorter than one 8-gram
+    assert measure.loop_score(block + block) == pytest.approx(10 / 20)       # one copied 10-token block
+    assert measure.loop_score([5] * 7) == 0.0                                 # shorter than one 8-gram
 
 
 # ------------------------------------------------------------------------------------------ replay
@@ -296,24 +337,26 @@ def test_vllm_ngram_examples(tokens, k, min_n, max_n, expected):
 
 
 def vllm_rule_brute_force(t, k, min_n, max_n):
+    """(draft, match length) of vLLM's n-gram rule, by brute force."""
     L = len(t)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         for s in range(0, L - n):                      # occurrence t[s:s+n] ends at s+n-1 <= L-2
             if t[s:s + n] == t[L - n:]:
-                return t[s + n: s + n + k]
-    return []
+                return t[s + n: s + n + k], n
+    return [], 0
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_vllm_ngram_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
-    for _ in range(60):
-        t = rng.integers(0, 3, size=int(rng.integers(1, 30))).tolist()
+    for _ in range(100):
+        t = rng.integers(0, 3, size=int(rng.integers(1, 60))).tolist()
         min_n = int(rng.integers(1, 4))
         max_n = min_n + int(rng.integers(0, 4))
         k = int(rng.integers(1, 6))
-        assert VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100).tokens.tolist() == \
-            vllm_rule_brute_force(t, k, min_n, max_n), (t, k, min_n, max_n)
+        draft = VllmNgram(t, k=k, min_n=min_n, max_n=max_n).propose(100)
+        assert (draft.tokens.tolist(), draft.match_len) == vllm_rule_brute_force(t, k, min_n, max_n), \
+            (t, k, min_n, max_n)
 
 
 def test_context_copy_oracle_matches_brute_force():
@@ -536,7 +579,7 @@ def test_bench_batch_measure_accounts_tokens_and_decode_time(tiny_llama):
 
     from conftest import repetitive_prompt
 
-    from benchmarks import bench_batch
+    from benchmarks.e2e import batch as bench_batch
     rows = [repetitive_prompt(1)[0], repetitive_prompt(2, length=10)[0]]
     P = max(len(r) for r in rows)
     ids = torch.zeros((2, P), dtype=torch.long)

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from lookup_decode import measure
 from lookup_decode.cli import bench
 
 
@@ -41,12 +42,12 @@ def test_runs_are_written_as_they_are_measured(tmp_path, monkeypatch):
         calls.append(variant.name)
         if len(calls) == 3:
             raise RuntimeError("CUDA out of memory")
-        return bench.Run(variant.name, [1, 2, 3], 0.5)
-    monkeypatch.setattr(bench, "run_variant", fake_run)
+        return measure.Run(variant.name, [1, 2, 3], 0.5)
+    monkeypatch.setattr(measure, "run_variant", fake_run)
     out = tmp_path / "runs.jsonl"
     prompts = [torch.tensor([[5, 6]]), torch.tensor([[7, 8]])]
     with pytest.raises(RuntimeError):
-        bench.measure(None, prompts, [bench.PLAIN, bench.Variant("lookup_decode", lookup={})], 8, 1, lambda: None,
+        measure.measure(None, prompts, [measure.PLAIN, measure.Variant("lookup_decode", lookup={})], 8, 1, lambda: None,
                       results=out, ids=["a:1", "a:2"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["request"], r["variant"]) for r in rows] == [("a:1", calls[0]), ("a:1", calls[1])]

@@ -1,4 +1,4 @@
-"""The real-engine benchmark's pure parts (benchmarks/vllm_engine.py): ABBA order, cell planning, the engine
+"""The real-engine benchmark's pure parts (benchmarks/vllm/engine.py): ABBA order, cell planning, the engine
 arguments and environment of each method, and the summary, goals and table computed from a fake result.
 No vLLM, no model, no wall-clock thresholds."""
 
@@ -6,9 +6,18 @@ import json
 
 import pytest
 
-from benchmarks import bench_vllm, vllm_engine
-from benchmarks.vllm_engine import (abba, child_env, engine_kwargs, goals, markdown, plan_cells, speculative_config,
-                                    summarize)
+from benchmarks.vllm import bench as bench_vllm
+from benchmarks.vllm import engine as vllm_engine
+from benchmarks.vllm.engine import (
+    abba,
+    child_env,
+    engine_kwargs,
+    goals,
+    markdown,
+    plan_cells,
+    speculative_config,
+    summarize,
+)
 
 # ------------------------------------------------------------------------------------------- order and plan
 
@@ -177,7 +186,7 @@ def test_goals_not_measured_without_the_cells():
 
 def test_markdown_table_and_goal_lines_from_a_result(tmp_path, monkeypatch):
     runs = fake_runs() + [{"method": "suffix", "repeat": 2, "error": "exit 1\nRuntimeError: boom"}]
-    result = {"command": "python -m benchmarks.bench_vllm engine", "run_s": 60.0,
+    result = {"command": "python -m benchmarks.vllm.bench engine", "run_s": 60.0,
               "environment": {"cpu": "test cpu", "cpu_count": 2},
               "settings": {"model": "/m", "dtype": "float32", "k": 8, "max_tokens": 4, "ignore_eos": False,
                            "requests": 2, "max_prompt_tokens": 1024, "repeats": 2, "stat": "min", "threads": 1},

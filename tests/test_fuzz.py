@@ -1,12 +1,12 @@
-"""The differential fuzzer's CI sample: 200 cases of benchmarks/fuzz.py against plain generate.
+"""The differential fuzzer's CI sample: 200 cases of tests/stress/fuzz.py against plain generate.
 
-The long run (>= 5,000 cases) is `python -m benchmarks.fuzz --cases 5000 --seed 1 --out ...`; its result is in
-benchmarks/results/fuzz/. A failure prints the case's SEED:I; `python -m benchmarks.fuzz --replay SEED:I` replays it.
+The long run (>= 5,000 cases) is `python -m tests.stress.fuzz --cases 5000 --seed 1 --out ...`; its result is in
+benchmarks/results/fuzz/. A failure prints the case's SEED:I; `python -m tests.stress.fuzz --replay SEED:I` replays it.
 """
 
 import collections
 
-from benchmarks import fuzz
+from tests.stress import fuzz
 
 
 def test_fuzz_sample_against_plain_generate():

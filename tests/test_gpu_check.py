@@ -1,4 +1,4 @@
-"""The prepared GPU check (benchmarks/gpu_check.sh) on a CPU with tiny shapes, so it cannot rot."""
+"""The prepared GPU check (benchmarks/micro/gpu_check.sh) on a CPU with tiny shapes, so it cannot rot."""
 
 import os
 import subprocess
@@ -11,12 +11,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.forced_replay import PAIRS, Forced, build, config_of, forced_replay, load_pairs, remap  # noqa: E402
+from benchmarks.replay.forced import PAIRS, Forced, build, config_of, forced_replay, load_pairs, remap  # noqa: E402
 
 
 def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):
     env = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, cwd=ROOT,
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "micro" / "gpu_check.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     for name in ("costs.json", "costs.md", "costs.png", "tiny_cpu.json", "tiny_cpu.md", "tiny-2_cpu.md", "tiny-4_cpu.md"):

@@ -1,7 +1,7 @@
 """Short soak (issue 16): 8 generating threads share one Memory and one References while others save, load,
-register, remove and evict. Counted in operations, not seconds; the long run is `python -m benchmarks.soak`."""
+register, remove and evict. Counted in operations, not seconds; the long run is `python -m tests.stress.soak`."""
 
-from benchmarks.soak import soak
+from tests.stress.soak import soak
 
 
 def test_short_soak(tmp_path):

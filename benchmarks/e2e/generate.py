@@ -1,0 +1,193 @@
+"""End-to-end tokens/s: plain greedy, transformers' prompt lookup and lookup_decode, side by side in one process.
+
+    python -m benchmarks.e2e.generate --n-per-workload 1 --max-new-tokens 32      # smoke test
+    python -m benchmarks.e2e.generate --n-per-workload 10 --max-new-tokens 256 --repeats 2
+
+Per prompt, every variant runs `--repeats` times, interleaved (order rotated per repeat and per
+prompt) after one untimed warm-up request per variant; the median time counts. Greedy decoding, so
+every variant must give plain's tokens: identity is recorded per prompt. The plain output's loop score
+(share of it covered by an 8-gram repeated from earlier in it) marks loop-dominated prompts, which
+every table also shows excluded. The forward cost over 1..64 tokens is measured in the same process.
+Writes DIR/results.json (environment, command, per-prompt records, aggregates), DIR/results.md and
+PNG plots; results.json is rewritten after every prompt, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.harness import report, workloads
+from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.metrics import accepted_histogram, copy_share, first_mismatch
+from benchmarks.harness.results import RESULTS
+from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.forward import measure_forward_cost
+from lookup_decode.engines.hf.models import chat_ids
+from lookup_decode.measure import (
+    LOOP_THRESHOLD,
+    PLAIN,
+    PROMPT_LOOKUP,
+    Variant,
+    environment,
+    loop_score,
+    run_variant,
+    speedup,
+)
+
+VARIANTS = {
+    "plain": PLAIN,
+    "prompt_lookup": PROMPT_LOOKUP,                                                      # transformers, 10 tokens
+    "lookup_decode": Variant("lookup_decode", lookup={"k": 32}),                         # defaults: adaptive
+    "lookup_decode_fixed10": Variant("lookup_decode_fixed10", lookup={"k": 10, "adaptive": False}),
+    "lookup_decode_fixed32": Variant("lookup_decode_fixed32", lookup={"k": 32, "adaptive": False}),
+    "lookup_decode_tree2": Variant("lookup_decode_tree2", lookup={"k": 32, "tree_width": 2}),     # opt-in trees
+    "lookup_decode_tree4": Variant("lookup_decode_tree4", lookup={"k": 32, "tree_width": 4}),
+}
+DEFAULT_VARIANTS = ["plain", "prompt_lookup", "lookup_decode", "lookup_decode_fixed10"]
+CATEGORIES = ["code_edit", "editeval", "summarization", "rag", "qa", "translation", "math_reasoning", "mt_bench",
+              "clapnq", "mt_redundant", "humaneval", "qmsum"]
+LONG = ["aider_refactor"]
+LONG_PROMPT_TOKENS = 6144
+COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 40, 48, 56, 65]
+
+
+def select_prompts(names: list[str], tokenizer, n: int, max_prompt_tokens: int, context: int | None,
+                   max_new_tokens: int, seed: int, long_prompt_tokens: int | None = None, load=workloads.load):
+    """Per workload, up to n requests in a seeded random order whose prompt fits; and skip counts.
+
+    Prompts of the long-context workloads (LONG) may have up to long_prompt_tokens (default: max_prompt_tokens).
+    load: name -> requests (default: the shared data sets).
+    """
+    chosen, skipped = [], {}
+    for name in names:
+        reqs = load(name)
+        random.Random(seed).shuffle(reqs)
+        taken, skipped[name] = 0, 0
+        for req in reqs:
+            if taken == n:
+                break
+            ids = chat_ids(tokenizer, req.messages)
+            cap = long_prompt_tokens if name in LONG and long_prompt_tokens else max_prompt_tokens
+            too_long = ids.shape[1] > cap or (context and ids.shape[1] + max_new_tokens > context)
+            if too_long:
+                skipped[name] += 1
+                continue
+            chosen.append((req, ids))
+            taken += 1
+    return chosen, skipped
+
+
+def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) -> dict:
+    """Everything measured for one prompt: per variant median time, tokens/s, identity, stats."""
+    plain = runs["plain"][0]
+    rec = {"category": req.category, "id": req.id, "prompt_tokens": int(ids.shape[1]),
+           "loop_score": loop_score(plain.tokens), "copy_share": copy_share(ids[0].tolist(), plain.tokens),
+           "plain_tokens": plain.tokens,
+           "plain_text": tokenizer.decode(plain.tokens, skip_special_tokens=True), "variants": {}}
+    for name in names:
+        rs = runs[name]
+        seconds = sorted(r.seconds for r in rs)[len(rs) // 2]
+        v = {"seconds": seconds, "seconds_all": [r.seconds for r in rs], "new_tokens": len(rs[0].tokens),
+             "tokens_per_second": len(rs[0].tokens) / seconds,
+             "identical": all(r.tokens == plain.tokens for r in rs),
+             "first_mismatch": first_mismatch(rs[0].tokens, plain.tokens)}
+        if rs[0].stats is not None:
+            merged = DecodeStats()
+            for r in rs:
+                merged.merge(r.stats)
+            v["stats"] = merged.as_dict()
+            v["accepted_histogram"] = accepted_histogram(merged)
+        rec["variants"][name] = v
+    for base in ("plain", "prompt_lookup"):
+        if base in names:
+            b = (rec["variants"][base]["new_tokens"], rec["variants"][base]["seconds"])
+            rec[f"speedup_vs_{base}"] = {n: speedup(b, (rec["variants"][n]["new_tokens"], rec["variants"][n]["seconds"]))
+                                        for n in names if n != base}
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help=".gguf file or local model folder (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--workloads", nargs="+", default=CATEGORIES + LONG, choices=list(workloads.WORKLOADS),
+                    help="default: every category, the long-context aider_refactor included")
+    ap.add_argument("--include-long", action="store_true", help="add aider_refactor to --workloads")
+    ap.add_argument("--n-per-workload", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=4096, help="skip longer prompts (default 4096)")
+    ap.add_argument("--long-prompt-tokens", type=int, default=LONG_PROMPT_TOKENS,
+                    help=f"prompt cap of the long-context workloads (aider_refactor; default {LONG_PROMPT_TOKENS}: "
+                    "the default model's context is 8,192 tokens, and shorter prompts keep a CPU run's prefill "
+                    "short; longer contexts: benchmarks/e2e/scaling.py)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and variant (median; default 1)")
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                    help="plain always runs (the reference)")
+    ap.add_argument("--loop-threshold", type=float, default=LOOP_THRESHOLD)
+    ap.add_argument("--seed", type=int, default=0, help="prompt selection order")
+    ap.add_argument("--out", default=str(RESULTS / "generate"), help="output folder")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from lookup_decode.engines.hf.models import load_model
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    torch.set_num_threads(args.threads)
+    names = ["plain"] + [v for v in dict.fromkeys(args.variants) if v != "plain"]
+    variants = [VARIANTS[n] for n in names]
+    names_workloads = list(dict.fromkeys(args.workloads + (LONG if args.include_long else [])))
+
+    t = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    print(f"model loaded in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+    context = getattr(model.config, "max_position_embeddings", None)
+    chosen, skipped = select_prompts(names_workloads, tokenizer, args.n_per_workload, args.max_prompt_tokens,
+                                     context, args.max_new_tokens, args.seed, args.long_prompt_tokens)
+    if not chosen:
+        raise SystemExit("no prompt fits --max-prompt-tokens")
+    chosen = [(req, ids.to(device)) for req, ids in chosen]
+
+    # Untimed warm-up: allocations, numba JIT, lookup_decode's one-time forward-cost calibration per k.
+    for v in tqdm(variants, desc="warm-up", leave=False):
+        run_variant(model, chosen[0][1], v, min(args.max_new_tokens, 32))
+    lengths = sorted(ids.shape[1] for _, ids in chosen)
+    median_prompt = next(ids for _, ids in chosen if ids.shape[1] == lengths[len(lengths) // 2])
+    forward_cost = {"context_tokens": int(median_prompt.shape[1]), "sizes": COST_SIZES,
+                    "seconds": measure_forward_cost(model, median_prompt, COST_SIZES)}
+
+    result = {"environment": environment(model, device, args.threads, args.model),
+              "settings": {"max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+                           "long_prompt_tokens": args.long_prompt_tokens,
+                           "n_per_workload": args.n_per_workload, "repeats": args.repeats, "seed": args.seed,
+                           "workloads": names_workloads, "variants": names, "loop_threshold": args.loop_threshold,
+                           "variant_descriptions": [v.describe() for v in variants]},
+              "forward_cost": forward_cost, "skipped": skipped, "prompts": [], "partial": True}
+    out = Path(args.out)
+    bar = tqdm(total=len(chosen) * len(variants) * args.repeats, desc="generate", unit="run")
+    for i, (req, ids) in enumerate(chosen):
+        bar.set_postfix_str(f"{req.category} ({ids.shape[1]} prompt tokens)")
+        runs = side_by_side(names, lambda name: run_variant(model, ids, VARIANTS[name], args.max_new_tokens),
+                            args.repeats, offset=i, progress=bar.update)
+        result["prompts"].append(prompt_record(req, ids, runs, names, tokenizer))
+        report.write(result, out, with_plots=False)
+    bar.close()
+
+    result["partial"] = False
+    result["aggregate"] = report.aggregate(result["prompts"], names, args.loop_threshold)
+    report.write(result, out, with_plots=not args.no_plots)
+    print(report.markdown(result))
+    print(f"\nwrote {out}/results.json, results.md" + ("" if args.no_plots else " and plots"), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
