@@ -4,11 +4,10 @@ no lookup_decode loader), must give the same greedy tokens."""
 
 import pytest
 import torch
+from conftest import chat_ids
 
 from lookup_decode.cli.commands import main
 from lookup_decode.engines.hf.models import export_hf
-
-from conftest import chat_ids
 
 
 def test_export_refuses_a_folder_that_is_not_empty(tmp_path):

@@ -5,9 +5,9 @@ Each test here was written before its fix and failed then (the report of issue 1
 
 import numpy as np
 import pytest
+import tiny_models
 import torch
-from conftest import VOCAB, repetitive_prompt
-from transformers import GPT2Config, GPT2LMHeadModel
+from conftest import VOCAB, FlatCosts, repetitive_prompt
 
 import lookup_decode
 from lookup_decode import DecodeStats
@@ -16,9 +16,7 @@ from lookup_decode.core.draft import Draft
 
 
 def short_gpt2(n_positions: int = 64):
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=n_positions,
-                                      initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    return tiny_models.build("gpt2", n_positions=n_positions)
 
 
 # --- calibration past the context --------------------------------------------------------------------------
@@ -82,7 +80,8 @@ def test_huge_max_length_with_a_stopping_criterion(tiny_llama):
                               stopping_criteria=stop)
     stats = DecodeStats()
     got = tiny_llama.generate(prompt, max_length=10 ** 7, do_sample=False, pad_token_id=0, eos_token_id=None,
-                              stopping_criteria=stop, custom_generate=lookup_decode.generate, stats=stats)
+                              stopping_criteria=stop,
+                              custom_generate=lookup_decode.lookup_decoding(stats=stats, costs=FlatCosts()))
     assert got.tolist() == ref.tolist() and stats.accepted > 0
 
 
@@ -266,7 +265,7 @@ def test_draft_copies_the_callers_buffer():
 # --- static caches with conv layers: refused (the fuzzer found wrong tokens at max_cache_len >= 512) ---------
 
 def test_static_cache_with_conv_layers_is_refused():
-    """Found by benchmarks/fuzz.py (seed 1, case 181): LFM2 (conv + attention layers) on a StaticCache of
+    """Found by tests/stress/fuzz.py (seed 1, case 181): LFM2 (conv + attention layers) on a StaticCache of
     1024 positions gave other tokens than plain generate (from 256 positions up; exact at 100). Refused clearly until its rollback is exact."""
     import tiny_models
     from transformers import StaticCache

@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm_support import VLLM_MARKS, model_folder
 
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.engines.batch.job import Job
-from vllm_support import VLLM_MARKS, model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = model_folder()

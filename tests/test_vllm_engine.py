@@ -19,9 +19,8 @@ import math
 import os
 
 import pytest
-
 import vllm_support as vs
-from vllm_support import K, VLLM_MARKS
+from vllm_support import VLLM_MARKS, K
 
 pytestmark = VLLM_MARKS
 

@@ -4,7 +4,7 @@ local Ray cluster with 1 and 2 actors (1 torch thread each), side by side in one
     python -m benchmarks.e2e.pipeline --n-per-workload 4 --max-new-tokens 64 --out benchmarks/results/pipeline
 
 Input: the first n prompts of the summarization and code-edit workloads (../shared/data), greedy, the
-default model. Every configuration runs the same JSONL through `lookup_decode.engines.pipeline.run` into a fresh
+default model. Every configuration runs the same JSONL through `lookup_decode.engines.batch.job.run` into a fresh
 output file; records/s is over the whole run (model load and actor start included: that is what a user
 waits for), and `load_s` (one model load in this process) is reported so it can be set aside; "generate only"
 divides by the seconds the busiest worker spent inside generate calls (no model load, no Ray overhead; lookup's
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.harness.results import write_result
+    from lookup_decode.engines.batch.job import Job, run
     from lookup_decode.engines.hf.models import load_model
-    from lookup_decode.engines.pipeline import Job, run
     from lookup_decode.measure import environment
 
     torch.set_num_threads(1)

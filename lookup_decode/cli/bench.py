@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.tokens import eos_ids
-from lookup_decode.engines.records import RecordError, messages_of, read_rows
+from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
 from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, run_variant
 
 DEFAULT = LookupConfig()
@@ -49,7 +49,7 @@ def _messages_from(row, where: str) -> list[dict]:
 
 
 def read_requests(path: str | Path) -> list[BenchRequest]:
-    """Requests from a JSONL or Parquet file of records (`engines.records`: one {"messages": [...]} or
+    """Requests from a JSONL or Parquet file of records (`engines.batch.records`: one {"messages": [...]} or
     {"prompt": "..."} each) or from a folder of .txt files (each one user message).
 
     Anything malformed raises SystemExit naming the file and, for JSONL, the line (1-based).

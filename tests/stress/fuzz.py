@@ -34,6 +34,7 @@ import transformers as tf
 from transformers import StoppingCriteriaList
 
 import lookup_decode
+from tests import tiny_models
 
 VOCAB = 96
 NEAR_TIE = 1e-5
@@ -41,40 +42,26 @@ FAILURES = ("diff", "crash", "ours_only")
 SHORT_CONTEXT = 64     # the short-context GPT-2 (learned positions raise past it)
 
 
-def _std(config_cls, model_cls, **extra):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0,
-                bos_token_id=1, eos_token_id=2)
-    return lambda: getattr(tf, model_cls)(getattr(tf, config_cls)(**{**base, **extra}))
-
-
-def _gpt2(n_positions):
-    return lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                                                    n_positions=n_positions, initializer_range=0.1, pad_token_id=0,
-                                                    bos_token_id=1, eos_token_id=2))
-
-
-# family -> builder; the cache families lookup_decode treats differently (full attention with RoPE or learned
-# positions, sliding windows, conv layers).
+# family -> (tests/tiny_models.py family, config overrides); the cache families lookup_decode treats differently
+# (full attention with RoPE or learned positions, sliding windows, conv layers). The names are the fuzzer's own:
+# a case records its family, and a replayed seed must build the same model.
 FAMILIES = {
-    "llama": _std("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": _std("Qwen2Config", "Qwen2ForCausalLM", use_sliding_window=False),
-    "gpt2": _gpt2(1024),
-    "gpt2_short": _gpt2(SHORT_CONTEXT),
-    "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-    "mistral_window": _std("MistralConfig", "MistralForCausalLM", sliding_window=24),
-    "gemma2": _std("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=24),
-    "lfm2": _std("Lfm2Config", "Lfm2ForCausalLM", layer_types=["conv", "full_attention"]),
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "gpt2": ("gpt2", {}),
+    "gpt2_short": ("gpt2", {"n_positions": SHORT_CONTEXT}),
+    "gpt_neox": ("gpt_neox", {}),
+    "mistral_window": ("mistral_sliding_window", {}),
+    "gemma2": ("gemma2", {}),
+    "lfm2": ("lfm2", {}),
 }
 _MODELS: dict = {}
 
 
 def model_of(family: str, seed: int = 0):
     if (family, seed) not in _MODELS:
-        torch.manual_seed(seed)
-        _MODELS[family, seed] = FAMILIES[family]().eval()
+        name, overrides = FAMILIES[family]
+        _MODELS[family, seed] = tiny_models.build(name, seed, **overrides)
     return _MODELS[family, seed]
 
 

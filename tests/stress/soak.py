@@ -21,20 +21,16 @@ import traceback
 
 import numpy as np
 import torch
-import transformers as tf
 
 import lookup_decode
+from tests import tiny_models
 
 VOCAB = 96
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
 def tiny_model():
-    torch.manual_seed(0)
-    return tf.LlamaForCausalLM(tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)).eval()
+    return tiny_models.build("llama")
 
 
 def prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
