@@ -1,2 +1,2 @@
 """Engine adapters, each thin and asking the core: transformers (`hf`), vLLM (`vllm`), the batch job
-(`pipeline`) and the offline replay (`replay`, a forward that reads a recorded output)."""
+(`batch`) and the offline replay (`replay`, a forward that reads a recorded output)."""
