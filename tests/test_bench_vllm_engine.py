@@ -142,7 +142,8 @@ def fake_runs(slow_repeat: float = 1.5, wrong_token_in=None):
                 cells.append(_cell(w, b, walls[method] * (slow_repeat if repeat else 1.0), tokens,
                                    drafts=2 if method != "none" else 0, draft_tokens=16 if method != "none" else 0,
                                    accepted=4 if method != "none" else 0, row_steps=4 if method != "none" else None,
-                                   proposes=10 if method != "none" else 0, propose_s=share if method != "none" else 0.0))
+                                   proposes=10 if method != "none" else 0,
+                                   propose_s=share if method != "none" else 0.0))
             runs.append({"method": method, "repeat": repeat, "cells": cells})
     return runs
 
@@ -155,7 +156,8 @@ def test_summary_takes_the_min_repeat_and_counts_identical_outputs():
     assert row["acceptance_length"] == pytest.approx(3.0)                # 1 + 4 accepted / 2 drafts
     assert row["drafter_ms_per_step"] == pytest.approx(1.0) and row["drafter_share"] == pytest.approx(0.01)
     assert row["vs"]["ngram"] == pytest.approx(8 / 6.0) and row["vs"]["none"] == pytest.approx(4.0)
-    assert s["code_edit"]["1"]["none"]["tokens_per_step"] == 1.0 and s["code_edit"]["1"]["none"]["drafter_share"] is None
+    assert (s["code_edit"]["1"]["none"]["tokens_per_step"] == 1.0
+            and s["code_edit"]["1"]["none"]["drafter_share"] is None)
     assert row["identical"] == 2 and s["code_edit"]["1"]["suffix"]["identical"] == 1      # a repeat differed
     med = summarize(fake_runs(slow_repeat=3.0), "median")["code_edit"]["1"]["lookup_decode"]
     assert med["tok_s"] == pytest.approx(8 / 2.0)                        # median of walls 1.0 and 3.0
@@ -171,7 +173,8 @@ def test_goals_met_and_not_met_with_their_numbers():
     chat = g["chat >= 0.97x no speculation"]
     assert chat["met"] is False and "b1: x0.980" in chat["detail"] and "b8: x0.900" in chat["detail"]
     share = g["drafter <= 5% of the step at batch 8"]
-    assert share["met"] is False and "code_edit b8: 2.00%" in share["detail"] and "mt_bench b8: 8.00%" in share["detail"]
+    assert (share["met"] is False and "code_edit b8: 2.00%" in share["detail"]
+            and "mt_bench b8: 8.00%" in share["detail"])
 
 
 def test_goals_not_measured_without_the_cells():

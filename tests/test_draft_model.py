@@ -97,7 +97,8 @@ def test_draft_model_on_another_device_is_refused(target):
                         proposer=DraftModelProposer(elsewhere))
 
 
-@pytest.mark.parametrize("kw, message", [(dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
+@pytest.mark.parametrize("kw, message", [(dict(temperature=0.0), "temperature"),
+                                         (dict(temperature=-1.0), "temperature"),
                                          (dict(top_p=1.5), "top_p"), (dict(top_p=0.0), "top_p")])
 def test_invalid_sampling_values(target, kw, message):
     with pytest.raises(ValueError, match=message):

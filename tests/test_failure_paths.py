@@ -266,7 +266,8 @@ def test_draft_copies_the_callers_buffer():
 
 def test_static_cache_with_conv_layers_is_refused():
     """Found by tests/stress/fuzz.py (seed 1, case 181): LFM2 (conv + attention layers) on a StaticCache of
-    1024 positions gave other tokens than plain generate (from 256 positions up; exact at 100). Refused clearly until its rollback is exact."""
+    1024 positions gave other tokens than plain generate (from 256 positions up; exact at 100). Refused
+    clearly until its rollback is exact."""
     import tiny_models
     from transformers import StaticCache
     model = tiny_models.build("lfm2")

@@ -19,7 +19,8 @@ def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "micro" / "gpu_check.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    for name in ("costs.json", "costs.md", "costs.png", "tiny_cpu.json", "tiny_cpu.md", "tiny-2_cpu.md", "tiny-4_cpu.md"):
+    for name in ("costs.json", "costs.md", "costs.png", "tiny_cpu.json", "tiny_cpu.md", "tiny-2_cpu.md",
+                 "tiny-4_cpu.md"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "identical" in (tmp_path / "tiny_cpu.json").read_text()
 

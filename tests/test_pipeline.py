@@ -45,7 +45,8 @@ def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_chat_llama")
     tok = load_tokenizer()
     model = tiny_models.build("llama", vocab_size=len(tok), max_position_embeddings=CONTEXT,
-                              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                              pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

@@ -55,7 +55,8 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             matrix[i, len(p)] = o[0]                # the prefill's token
             pos[i], done[i] = len(p) + 1, 1
             index = SuffixIndex(min_match=1, max_match=16, eos_token_ids=EOS)
-            drafter = SourcesProposer(index, corpora, min_match=1, max_match=16, eos_token_ids=EOS) if corpora else index
+            drafter = (SourcesProposer(index, corpora, min_match=1, max_match=16, eos_token_ids=EOS)
+                       if corpora else index)
             drafter.extend(matrix[i, : pos[i]])
             ref[i] = (drafter, DraftPolicy(k), None)
             slot[i] = (pool.add(0 if growth else pos[i]), 0)

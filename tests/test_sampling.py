@@ -30,9 +30,14 @@ NARROW = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_
               initializer_range=0.3, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
+def narrow_llama():
+    """The tiny Llama over V tokens (NARROW); other test modules build it for their own fixture."""
+    return tiny_models.build("llama", max_position_embeddings=64, **NARROW)
+
+
 @pytest.fixture(scope="module")
 def model():
-    return tiny_models.build("llama", max_position_embeddings=64, **NARROW)
+    return narrow_llama()
 
 
 def processors_for(model, **gen_kwargs):
@@ -163,7 +168,8 @@ def test_same_seed_same_tokens_with_or_without_drafts(model, gen_kwargs):
         outs = []
         for k in (0, 2, 8):
             stats = DecodeStats()
-            outs.append(model.generate(PROMPT, max_new_tokens=20, do_sample=True, custom_generate=lookup_decode.generate,
+            outs.append(model.generate(PROMPT, max_new_tokens=20, do_sample=True,
+                                       custom_generate=lookup_decode.generate,
                                        generator=torch.Generator().manual_seed(seed), min_match=1, k=k,
                                        adaptive=False, stats=stats, **gen_kwargs).tolist())
         assert outs[0] == outs[1] == outs[2]

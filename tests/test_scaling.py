@@ -180,7 +180,8 @@ def test_bucket_medians():
 # ------------------------------------------------------------------------------------- timelines
 
 # adaptive off: the cost model's choice depends on this machine's load (a busy CI box drafted nothing useful)
-@pytest.mark.parametrize("variant", [measure.PLAIN, measure.Variant("lookup_decode", lookup={"k": 8, "adaptive": False})])
+@pytest.mark.parametrize("variant", [measure.PLAIN,
+                                     measure.Variant("lookup_decode", lookup={"k": 8, "adaptive": False})])
 def test_timeline_stamps_every_new_token(tiny_llama, variant):
     from transformers import StoppingCriteriaList
     ids = repetitive_prompt(0)

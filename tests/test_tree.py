@@ -86,7 +86,13 @@ def test_tree_proposer_rejects_bad_width():
 
 # ----------------------------------------------------------------------------- exact tree sampling
 
-from test_sampling import ALPHA, CONFIGS, PROMPT, chi_square_pvalue, exact_joint, model, sample_counts  # noqa: E402,F401
+from test_sampling import ALPHA, CONFIGS, PROMPT, chi_square_pvalue, exact_joint, narrow_llama, sample_counts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def narrow_model():
+    """test_sampling's vocabulary-6 Llama: the joint distribution of its first tokens is enumerated exactly."""
+    return narrow_llama()
 
 
 def tree_sampler(stats, generator, rules=Rules()):
@@ -97,13 +103,13 @@ def tree_sampler(stats, generator, rules=Rules()):
     return run
 
 
-def test_tree_sampling_matches_the_joint_distribution(model):  # noqa: F811
+def test_tree_sampling_matches_the_joint_distribution(narrow_model):
     # One configuration keeps the suite fast; the tree path runs the logits processors per visited
     # node exactly as the chain's row-by-row path does (top-k/top-p are covered there).
     gen_kwargs = CONFIGS["temperature_1"]
-    target = exact_joint(model, **gen_kwargs)
+    target = exact_joint(narrow_model, **gen_kwargs)
     stats = DecodeStats()
-    counts = sample_counts(model, tree_sampler(stats, torch.Generator().manual_seed(1)), **gen_kwargs)
+    counts = sample_counts(narrow_model, tree_sampler(stats, torch.Generator().manual_seed(1)), **gen_kwargs)
     assert chi_square_pvalue(counts, target) > ALPHA
     assert stats.tree_steps > 0 and stats.accepted > 0, "guard: trees were verified and drafts kept"
     assert stats.off_chain > 0, "guard: a branch other than the chain's was kept"
@@ -125,12 +131,12 @@ def _descend_first_branch(tokens, parents, row_scores, uniforms):
     return torch.cat([torch.as_tensor(tokens[path], dtype=torch.long), x.long()]), path, rows
 
 
-def test_tree_sampling_negative_control_is_rejected(model):  # noqa: F811
+def test_tree_sampling_negative_control_is_rejected(narrow_model):
     gen_kwargs = CONFIGS["temperature_1"]
-    target = exact_joint(model, **gen_kwargs)
+    target = exact_joint(narrow_model, **gen_kwargs)
     stats = DecodeStats()
     sampler = tree_sampler(stats, torch.Generator().manual_seed(1), Rules(tree=_descend_first_branch))
-    counts = sample_counts(model, sampler, **gen_kwargs)
+    counts = sample_counts(narrow_model, sampler, **gen_kwargs)
     assert stats.tree_steps > 0
     assert chi_square_pvalue(counts, target) < ALPHA
 

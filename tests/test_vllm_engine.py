@@ -165,9 +165,10 @@ def scenario_faulty(out):
 
 
 def scenario_memory(out):
-    """The memory prompt (a poem: the prompt has nothing to copy) cold, an unrelated request (so the first one is retired into the memory), the memory
-    prompt again; LOOKUP_DECODE_MEMORY_SAVE / _MEMORY come from the test's environment. The memory file is
-    not written before this process exits (save_every is large): the drafter's exit hook writes it."""
+    """The memory prompt (a poem: the prompt has nothing to copy) cold, an unrelated request (so the first
+    one is retired into the memory), the memory prompt again; LOOKUP_DECODE_MEMORY_SAVE / _MEMORY come from
+    the test's environment. The memory file is not written before this process exits (save_every is large):
+    the drafter's exit hook writes it."""
     llm = vs.make_llm(vs.LOOKUP_SPEC)
     tok = llm.get_tokenizer()
     p = _prompts(tok)
@@ -263,7 +264,8 @@ def test_max_model_len_skipped_the_drafter_while_others_ran(preempt):
     skipped = vs.skipped_steps(probe)
     assert skipped, "no step skipped the drafter: request 0 never came within K of max_model_len"
     long_id = preempt["request_ids"][0]
-    assert any(len(probe["steps"][s]["scheduled"]) > 1 and any(_same(r, long_id) for r in probe["steps"][s]["scheduled"])
+    assert any(len(probe["steps"][s]["scheduled"]) > 1
+               and any(_same(r, long_id) for r in probe["steps"][s]["scheduled"])
                for s in skipped), "the skip did not happen while other requests were running"
 
 
@@ -281,8 +283,9 @@ def test_drafts_accepted_after_skip_and_preemption(preempt):
 def test_no_orphan_drafter_states(preempt):
     """At most one state per request that the drafter may still see: after each propose call, the live states
     are no more than the distinct requests of the last `retire_within` calls (a state is retired at most that
-    many calls after its request's last row). Orphans — states of requests whose rows the drafter no longer recognises after
-    steps it did not see (vLLM's whole-batch skip), kept beside the rebuilt ones — break this bound."""
+    many calls after its request's last row). Orphans — states of requests whose rows the drafter no longer
+    recognises after steps it did not see (vLLM's whole-batch skip), kept beside the rebuilt ones — break
+    this bound."""
     calls, idle = preempt["probe"]["calls"], preempt["retire_within"]
     assert calls
     for c, call in enumerate(calls):

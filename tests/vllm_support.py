@@ -37,8 +37,9 @@ MODEL_ENV = "LOOKUP_DECODE_TEST_VLLM_MODEL"
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
-# Every CPU engine run here: no hub; engine core and worker in this process (the drafter object is reachable); one OpenMP thread (two spin-wait on a
-# shared 2-core machine, 4-5x slower); one numba thread (vLLM's ngram is parallel numba, 8x slower with 2).
+# Every CPU engine run here: no hub; engine core and worker in this process (the drafter object is reachable);
+# one OpenMP thread (two spin-wait on a shared 2-core machine, 4-5x slower); one numba thread (vLLM's ngram is
+# parallel numba, 8x slower with 2).
 ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
               "NUMBA_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

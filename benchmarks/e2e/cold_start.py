@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         best = {v: min(rs, key=lambda r: sum(r["seconds"])) for v, rs in runs.items()}
         plain, pl = best["plain"]["seconds"], best["prompt_lookup"]["seconds"]
         lines = [f"$ {command_line()}", "", f"{len(plain)} requests ({', '.join(best['plain']['ids'])}), "
-                 f"{args.new} new tokens, vocabulary {best['plain']['vocab']}; outputs identical to plain's in every run.",
+                 f"{args.new} new tokens, vocabulary {best['plain']['vocab']}; "
+                 "outputs identical to plain's in every run.",
                  "", "| variant | first call s | x plain's first | session s | x plain's session | "
                  "x prompt lookup's session | model load s |", "|---|---|---|---|---|---|---|"]
         for v, r in best.items():

@@ -105,7 +105,8 @@ def prompts(tokenizer, names, n: int, max_tokens: int, encoder_source: bool):
 def markdown(result: dict) -> str:
     names = result["variants"]
     lines = [f"# coverage {result['config']}", "", f"`{result['command']}`", "", result["note"], "",
-             "| variant | prompts | identical to plain | total tokens/s | median speed-up vs plain | mean accepted length |",
+             "| variant | prompts | identical to plain | total tokens/s | median speed-up vs plain "
+             "| mean accepted length |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name in names:
         rows = [r["variants"][name] for r in result["prompts"]]

@@ -107,8 +107,9 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) 
     for base in ("plain", "prompt_lookup"):
         if base in names:
             b = (rec["variants"][base]["new_tokens"], rec["variants"][base]["seconds"])
-            rec[f"speedup_vs_{base}"] = {n: speedup(b, (rec["variants"][n]["new_tokens"], rec["variants"][n]["seconds"]))
-                                        for n in names if n != base}
+            rec[f"speedup_vs_{base}"] = {
+                n: speedup(b, (rec["variants"][n]["new_tokens"], rec["variants"][n]["seconds"]))
+                for n in names if n != base}
     return rec
 
 

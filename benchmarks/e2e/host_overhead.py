@@ -82,8 +82,9 @@ def host_us(model, ids, mask, new: int, method: str, sampling: dict, lookup: dic
     host = total - timer.seconds
     per_step = sum(gaps) / len(gaps) if gaps else float("nan")
     widths = timer.widths[1:-1]                # the forwards whose logits each gap reads
-    return {"mean_width": sum(widths) / len(widths) if widths else float("nan"), "total_s": total, "forward_s": timer.seconds, "host_s": host, "steps": timer.calls - 1,
-            "forwards": timer.calls, "new_tokens": int(out.shape[1] - ids.shape[1]),
+    return {"mean_width": sum(widths) / len(widths) if widths else float("nan"), "total_s": total,
+            "forward_s": timer.seconds, "host_s": host, "steps": timer.calls - 1, "forwards": timer.calls,
+            "new_tokens": int(out.shape[1] - ids.shape[1]),
             "host_per_call_ms": 1e3 * (host - sum(gaps)), "host_us_per_step": 1e6 * per_step,
             "host_us_per_row_step": 1e6 * per_step / B}
 
@@ -121,7 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samplings", nargs="+", default=["greedy", "t0.7_p0.95"])
     ap.add_argument("--fixed-k", type=int, default=None,
                     help="lookup_decode with adaptive=False and this k: every step as wide as the drafts allow, the "
-                         "same widths in every run (the adaptive policy's widths follow timings and differ between runs)")
+                         "same widths in every run (the adaptive policy's widths follow timings and differ between "
+                         "runs)")
     ap.add_argument("--outputs", nargs="+", default=["code edit", "random"], choices=["code edit", "random"],
                     help="single-row cases: a recorded code edit forced through the logits, the model's own output")
     ap.add_argument("--out", default=str(RESULTS / "host_overhead"))
@@ -161,7 +163,8 @@ def main(argv=None) -> int:
                             best[method] = r
                 row = {"batch": batch, "context": context, "output": output, "sampling": name, **{
                     f"{m}_{k}": v for m, r in best.items() for k, v in r.items()}}
-                row["extra_us_per_row_step"] = row["lookup_decode_host_us_per_row_step"] - row["plain_host_us_per_row_step"]
+                row["extra_us_per_row_step"] = (row["lookup_decode_host_us_per_row_step"]
+                                                - row["plain_host_us_per_row_step"])
                 # What is left once the argmax over the step's extra verified positions is taken out (greedy).
                 row["argmax_us_per_position"] = argmax_us
                 row["extra_beyond_argmax_us"] = row["extra_us_per_row_step"] - (
@@ -175,11 +178,13 @@ def main(argv=None) -> int:
                 forced.handle.remove()
     lines = [f"$ {command_line()}", "", f"argmax over one position's logits: {argmax_us:.0f} us", "",
              "| batch | context | output | sampling | plain host us/row/token | lookup host us/row/step | "
-             "extra us/row/step | positions verified per row-step | extra beyond their argmax | plain / lookup host ms per call | "
-             "lookup steps | tokens |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "extra us/row/step | positions verified per row-step | extra beyond their argmax | "
+             "plain / lookup host ms per call | lookup steps | tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['output']} | {r['sampling']} | {r['plain_host_us_per_row_step']:.0f} | "
-                     f"{r['lookup_decode_host_us_per_row_step']:.0f} | {r['extra_us_per_row_step']:.0f} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['output']} | {r['sampling']} | "
+                     f"{r['plain_host_us_per_row_step']:.0f} | {r['lookup_decode_host_us_per_row_step']:.0f} | "
+                     f"{r['extra_us_per_row_step']:.0f} | "
                      f"{r['lookup_decode_mean_width']:.1f} | {r['extra_beyond_argmax_us']:.0f} | "
                      f"{r['plain_host_per_call_ms']:.1f} / {r['lookup_decode_host_per_call_ms']:.1f} | "
                      f"{r['lookup_decode_steps']} | {r['lookup_decode_new_tokens']} |")

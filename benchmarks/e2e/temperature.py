@@ -59,7 +59,8 @@ def summarize(rows: list[dict], loop_threshold: float) -> list[dict]:
 
 def to_markdown(summary: list[dict], command: str) -> str:
     lines = [f"Command: `{command}`", "",
-             "| workload | temperature | prompts | speed-up median (min-max) | total throughput ratio | mean accepted length |",
+             "| workload | temperature | prompts | speed-up median (min-max) | total throughput ratio "
+             "| mean accepted length |",
              "|---|---|---|---|---|---|"]
     for scope, title in (("all", "all prompts"), ("no_loops", "without loop-dominated prompts")):
         lines.append(f"| **{title}** | | | | | |")

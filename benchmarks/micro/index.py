@@ -124,8 +124,8 @@ def markdown(result: dict) -> str:
              f"Command: `{result['environment']['command']}`  ",
              f"CPU: {result['environment']['cpu']}; numba {result['environment']['numba']}"
              + (f"; one model forward (1 token after {result['forward_context']} tokens): {fwd:.1f} ms" if fwd else ""),
-             "", "| text | context | median µs | p99 µs | max µs | extend µs | propose µs | mean draft | build µs/token "
-             "| index MiB |" + (" forward / step |" if fwd else ""),
+             "", "| text | context | median µs | p99 µs | max µs | extend µs | propose µs | mean draft "
+             "| build µs/token | index MiB |" + (" forward / step |" if fwd else ""),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if fwd else "")]
     for r in result["results"]:
         s = r["step_us"]

@@ -229,7 +229,8 @@ def forced_replay(model, pairs: dict, methods=METHODS, k: int = 32, tree_width: 
 def markdown(results: dict, header: str) -> str:
     lines = [header, ""]
     for shape, by_set in results.items():
-        lines += [f"### {shape}", "", "| set | pairs | tokens | method | tokens/s | x plain | x prompt lookup | tokens/step |",
+        lines += [f"### {shape}", "",
+                  "| set | pairs | tokens | method | tokens/s | x plain | x prompt lookup | tokens/step |",
                   "|---|---|---|---|---|---|---|---|"]
         for name, r in by_set.items():
             for m, v in r["methods"].items():
@@ -272,8 +273,8 @@ def main(argv=None) -> int:
         model = build(shape, getattr(torch, args.dtype), args.device)
         shape_pairs = remap(pairs, model.config.vocab_size)
         results[shape] = forced_replay(model, shape_pairs, args.methods, args.k, args.tree_width,
-                                       progress=lambda n, per: print(n, {m: round(v["seconds"], 2) for m, v in per.items()},
-                                                                     flush=True))
+                                       progress=lambda n, per: print(
+                                           n, {m: round(v["seconds"], 2) for m, v in per.items()}, flush=True))
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()

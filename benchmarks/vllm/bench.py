@@ -110,8 +110,9 @@ def cost_markdown(rows, command) -> str:
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['batch']} | {r['vllm_ngram_ms_per_step']:.3f} | "
-                     f"{r['lookup_decode_ms_per_step']:.3f} | x{r['ratio']:.1f} | {r['lookup_decode_us_per_row']:.1f} | "
-                     f"{r['lookup_decode_build_s']:.2f} | {r['index_bytes'] / 2**20:.0f} |")
+                     f"{r['lookup_decode_ms_per_step']:.3f} | x{r['ratio']:.1f} | "
+                     f"{r['lookup_decode_us_per_row']:.1f} | {r['lookup_decode_build_s']:.2f} | "
+                     f"{r['index_bytes'] / 2**20:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -276,7 +277,8 @@ def bench_replicas(workloads, limit: int, k: int, replicas: int = 4, seed: int =
                         for drafter in drafters:
                             drafter.reload_memory()
                 result[mode] = {g: {"requests": len(reqs),
-                                    "tokens_per_step": sum(sum(r.emitted) for r in reqs) / sum(len(r.emitted) for r in reqs)}
+                                    "tokens_per_step": (sum(sum(r.emitted) for r in reqs)
+                                                        / sum(len(r.emitted) for r in reqs))}
                                 for g, reqs in scored.items()}
         out[name] = result
         print(name, json.dumps(result), flush=True)

@@ -421,7 +421,8 @@ def goals(summary: dict) -> list[dict]:
                 got = [max(got, key=lambda g: g[1])]
             for m, tok_s, ratio in got:
                 ok.append(ratio >= need)
-                parts.append(f"{w} b{batch}: {OURS} {ours:.1f} tok/s vs {m} {tok_s:.1f} = x{ratio:.2f} (need x{need:g})")
+                parts.append(f"{w} b{batch}: {OURS} {ours:.1f} tok/s vs {m} {tok_s:.1f} = x{ratio:.2f} "
+                             f"(need x{need:g})")
         out.append({"goal": goal, "met": all(ok) if ok else None, "detail": "; ".join(parts) or "not measured"})
 
     versus("code edits >= 1.2x ngram at batch 1", code, 1, NGRAMS, 1.2, best_of=True)
@@ -467,7 +468,8 @@ def _once_note(s: dict) -> str:
 def markdown(result: dict) -> str:
     s, summary = result["settings"], result["summary"]
     env = result.get("engine_info") or {}
-    lines = [f"# lookup_decode vs vLLM's drafters in the real vLLM engine ({env.get('vllm_distribution') or 'vLLM'})", "",
+    lines = [f"# lookup_decode vs vLLM's drafters in the real vLLM engine ({env.get('vllm_distribution') or 'vLLM'})",
+             "",
              f"Command: `{result['command']}`  ",
              f"Model `{s['model']}` ({s['dtype']}), K = {s['k']}, greedy, at most {s['max_tokens']} new tokens"
              f"{' (EOS ignored)' if s['ignore_eos'] else ''}, {s['requests']} requests per workload and batch size "
@@ -498,15 +500,17 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {b} | {m}{pre} | {_f(r['tok_s'], '.1f')} | {_f(r['tpot_ms'], '.1f')} | "
                              f"{_f(r['tokens_per_step'], '.2f')} | {_f(r['acceptance_length'], '.2f')} | {counts} | "
                              f"{_f(r['drafter_ms_per_step'], '.2f')} | "
-                             f"{'–' if r['drafter_share'] is None else format(100 * r['drafter_share'], '.1f') + '%'} | "
+                             f"{'–' if r['drafter_share'] is None else format(100 * r['drafter_share'], '.1f') + '%'}"
+                             " | "
                              f"{same} | {ratio} |")
         lines.append("")
     lines += ["## Goals (this machine)", ""] + [f"* {line}" for line in goal_lines(result["goals"])]
     errors = [r for r in result["runs"] if "error" in r]
     if errors:
-        lines += ["", "## Failed engines", ""] + [f"* {r['method']} (repeat {r['repeat']}): "
-                                                   f"{r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
-                                                   for r in errors]
+        lines += ["", "## Failed engines", ""] + [
+            f"* {r['method']} (repeat {r['repeat']}): "
+            f"{r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
+            for r in errors]
     return "\n".join(lines) + "\n"
 
 
@@ -596,8 +600,8 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
         with open(log, "w") as f:
             try:
                 rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm.engine", "child", str(plan_path), method,
-                                     str(out), str(repeat)], check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=timeout).returncode
+                                     str(out), str(repeat)], check=False, cwd=REPO, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         tail = log.read_text(errors="replace")[-4000:]
@@ -639,7 +643,8 @@ def main(argv=None) -> None:
         return
     model = args.model or default_model()
     if model is None:
-        raise SystemExit("no model folder: export the default model (lookup-decode export-hf ./smollm2-hf) or pass --model")
+        raise SystemExit("no model folder: export the default model (lookup-decode export-hf ./smollm2-hf) "
+                         "or pass --model")
     import torch
     cuda = torch.cuda.is_available()
     threads = args.threads if args.threads is not None else (None if cuda else 1)
@@ -657,7 +662,8 @@ def main(argv=None) -> None:
                 "kv_cache_memory_bytes": args.kv_cache_bytes or None, "dtype": args.dtype, "enforce_eager": eager,
                 "ignore_eos": args.ignore_eos, "lookup_config": args.lookup_config, "engine_args": args.engine_args,
                 "threads": threads, "requests": args.requests, "max_prompt_tokens": limit, "repeats": args.repeats,
-                "stat": args.stat, "once_batches": args.once_batches, "methods": args.methods, "workloads": args.workloads, "batches": args.batches}
+                "stat": args.stat, "once_batches": args.once_batches, "methods": args.methods,
+                "workloads": args.workloads, "batches": args.batches}
     warmup = [chat_prompt(tokenizer, t) for t in WARMUP_TEXTS]
     keep = set(used)              # the child indexes requests by position; unused ones are left out (None)
     plan = {"settings": settings, "requests": [r if i in keep else None for i, r in enumerate(requests)],

@@ -31,7 +31,8 @@ class Draft:
 
     def __post_init__(self):
         tokens = np.asarray(self.tokens)
-        if tokens.ndim != 1 or not (tokens.dtype == np.int32 or tokens.size == 0 or np.issubdtype(tokens.dtype, np.integer)):
+        if tokens.ndim != 1 or not (tokens.dtype == np.int32 or tokens.size == 0
+                                    or np.issubdtype(tokens.dtype, np.integer)):
             raise TypeError(f"Draft.tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if tokens.size and tokens.dtype.itemsize > 4 and (int(tokens.min()) < -2**31 or int(tokens.max()) >= 2**31):
             raise ValueError(f"Draft.tokens hold ids outside int32 (min {int(tokens.min())}, max {int(tokens.max())})")

@@ -31,7 +31,7 @@ def eos_ids(eos) -> list[int]:
 
     A config without the attribute has no EOS: []. Example: eos_ids(7) -> [7]; eos_ids([1, 2]) -> [1, 2].
     """
-    if eos is not None and not isinstance(eos, (int, np.integer, list, tuple, np.ndarray)) and not hasattr(eos, "tolist"):
+    if eos is not None and not isinstance(eos, (int, np.integer, list, tuple)) and not hasattr(eos, "tolist"):
         eos = getattr(eos, "eos_token_id", None)    # a config object; one without the attribute names no EOS
     if eos is None:
         return []

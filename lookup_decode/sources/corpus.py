@@ -313,9 +313,10 @@ def _read(path, kind: str):
 class Cursor:
     """One request's view of a corpus: follows the request's tokens, drafts what followed them there.
 
-    A `Drafter`: `extend(tokens)`, `propose(max_tokens) -> Draft`; `match_len` is the current match. Occurrence rule: the index's (keep copying from the same place while it matches;
-    else the earliest occurrence of the longest suffix found in the corpus). Drafts stop before an
-    EOS id and at the end of an entry.
+    A `Drafter`: `extend(tokens)`, `propose(max_tokens) -> Draft`; `match_len` is the current match.
+    Occurrence rule: the index's (keep copying from the same place while it matches; else the earliest
+    occurrence of the longest suffix found in the corpus). Drafts stop before an EOS id and at the end
+    of an entry.
     """
 
     def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()):

@@ -73,7 +73,8 @@ def check_croppable(cache, model) -> None:
     know whether it holds a recurrent state (not croppable) or conv states only (croppable).
     """
     if not isinstance(cache, Cache):
-        raise UnsupportedCacheError(f"{type(model).__name__}: expected a transformers Cache, got {type(cache).__name__}")
+        raise UnsupportedCacheError(f"{type(model).__name__}: expected a transformers Cache, "
+                                    f"got {type(cache).__name__}")
     layers = _layers(cache)
     bad = [type(layer).__name__ for layer in layers
            if not isinstance(layer, LinearAttentionCacheLayerMixin) and not _is_croppable(layer)]

@@ -159,7 +159,8 @@ class SequenceForward(_Model):
         depth = torch.cat([torch.zeros(1, dtype=torch.long), torch.from_numpy(draft.depth)]).to(ids.device)
         dtype = next(self.model.parameters()).dtype
         logits = self(torch.cat([ids[0, cur - 1: cur], nodes]).view(1, -1), n + 1,
-                      position_ids=(cur - 1 + depth).view(1, -1), attention_mask=tree_mask(draft, cur - 1, dtype, ids.device))
+                      position_ids=(cur - 1 + depth).view(1, -1),
+                      attention_mask=tree_mask(draft, cur - 1, dtype, ids.device))
         u = None if rows.uniforms is None else rows.uniforms[0, cur - rows.prompt_len:]
         emitted, path, scores, raw = verify_tree(draft, logits, self.processors, ids, cur, u, self.rules)
         self._tree = (cur - 1, path, n)
@@ -230,7 +231,8 @@ class BatchForward(_Model):
         self._width = w
         if not self.do_sample and not self.processors:
             emitted = accept_greedy_rows(host[:, 1:], lengths, logits)
-            return [Verified(e, row, row) for e, row in zip(emitted, (logits[i, : n + 1] for i, n in enumerate(lengths)))]
+            row_logits = (logits[i, : n + 1] for i, n in enumerate(lengths))
+            return [Verified(e, row, row) for e, row in zip(emitted, row_logits)]
         scored = [None] * len(drafts)
         if self.processors.at_once and not self.processors.per_row:
             # Prefix-free processors (temperature, top-k/p, min-p): one call over every row's verified
@@ -291,9 +293,9 @@ def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: f
         available_bytes = _free_memory(next(model.parameters()).device)
     if available_bytes is not None and need > available_bytes:
         raise ValueError(
-            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and logits for "
-            f"{type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller batch "
-            f"or fewer max_new_tokens")
+            f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and "
+            f"logits for {type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller "
+            f"batch or fewer max_new_tokens")
 
 
 def _free_memory(device: torch.device) -> int | None:

@@ -79,7 +79,8 @@ def _check_attention_mask(mask, input_ids) -> None:
     if mask is None:
         return
     if tuple(mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has shape {tuple(input_ids.shape)}")
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} "
+                         f"but input_ids has shape {tuple(input_ids.shape)}")
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     if bool((mask[:, -1] == 0).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
@@ -162,7 +163,8 @@ def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     B, options = input_ids.shape[0], call.options
     _check_streamer(streamer, input_ids)
     check_batchable(cache, model)
-    if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
+    if generation_config.return_dict_in_generate and (generation_config.output_scores
+                                                      or generation_config.output_logits):
         raise ValueError("output_scores/output_logits are not supported for batches yet; generate rows one by one")
     drafters = _drafters(model, call, generation_config, B)
     if "position_ids" not in inspect.signature(model.forward).parameters:
@@ -280,11 +282,11 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
     (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
     place), proposer (a `Drafter`: extend(tokens) and propose(max_tokens) -> Draft; one per row for a
-    batch; default a SuffixIndex over the prompt and output), generator (torch.Generator for sampling), memory (a lookup_decode.Memory:
-    drafts also from earlier outputs, and stores this one), references (lookup_decode.References:
-    drafts also from registered documents).
+    batch; default a SuffixIndex over the prompt and output), generator (torch.Generator for sampling),
+    memory (a lookup_decode.Memory: drafts also from earlier outputs, and stores this one), references
+    (lookup_decode.References: drafts also from registered documents).
     """
-    given = {name: value for name, value in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if value is not None}
+    given = {n: v for n, v in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if v is not None}
     options = LookupConfig(**given)
     if generation_config is None:  # called directly, not by model.generate
         if input_ids is None:
@@ -300,7 +302,8 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
             if tokenizer is None:
                 raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=...")
             extra = StoppingCriteriaList([StopStringCriteria(tokenizer, stop_strings)])
-            stopping_criteria = extra if stopping_criteria is None else StoppingCriteriaList([*stopping_criteria, *extra])
+            stopping_criteria = (extra if stopping_criteria is None
+                                 else StoppingCriteriaList([*stopping_criteria, *extra]))
         return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                               custom_generate=hook, **model_kwargs)
     if synced_gpus:

@@ -393,7 +393,8 @@ class LookupDrafter:
 
     @property
     def retire_within(self) -> int:
-        """A request's state is dropped within this many calls of its last row (idle_steps + the retirement scan's period)."""
+        """A request's state is dropped within this many calls of its last row (idle_steps + the retirement
+        scan's period)."""
         return self.settings.idle_steps + self._retire_every
 
     @property

@@ -72,7 +72,7 @@ class Settings:
         if path:
             values.update(_read_object(Path(path).read_text(encoding="utf-8") if Path(path).is_file() else None,
                                        f"{ENV_PREFIX}CONFIG={path}", names))
-        values.update({name: environ[ENV_PREFIX + name.upper()] for name in names if ENV_PREFIX + name.upper() in environ})
+        values.update({n: environ[ENV_PREFIX + n.upper()] for n in names if ENV_PREFIX + n.upper() in environ})
         given = (additional_config or {}).get(CONFIG_KEY) if isinstance(additional_config, dict) else None
         if given is not None:
             values.update(_checked_keys(given, f"additional_config[{CONFIG_KEY!r}]", names))
