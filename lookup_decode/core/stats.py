@@ -11,6 +11,84 @@ draft), so mean accepted length counts it too.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+CALIBRATION_BINS = 10                   # equal-width bins of predicted probability over [0, 1]
+
+
+class CalibrationRow(NamedTuple):
+    """One bin of a reliability table: the draft tokens sent whose predicted probability of being kept lay in
+    [bin_low, bin_high), their mean predicted probability, and the share of them the target kept."""
+    bin_low: float
+    bin_high: float
+    tokens: int
+    predicted: float
+    kept: float
+
+
+@dataclass
+class Calibration:
+    """How well the acceptance model knows what will be kept: per bin of predicted probability, the tokens sent,
+    the sum of their predicted probabilities and how many were kept. A calibrated model's mean prediction equals
+    the share kept in every bin; `error` is the largest gap over bins holding enough tokens to tell.
+
+    Each prediction is the probability that the token *and every draft token before it* are kept (what a row
+    keeps is a prefix), so `observe_rows` marks the first `kept` tokens of each row's sent draft as kept.
+    """
+    tokens: list[int] = field(default_factory=lambda: [0] * CALIBRATION_BINS)
+    predicted: list[float] = field(default_factory=lambda: [0.0] * CALIBRATION_BINS)
+    kept: list[int] = field(default_factory=lambda: [0] * CALIBRATION_BINS)
+
+    def observe(self, predicted, kept) -> None:
+        """predicted: float [n], each sent token's probability of being kept; kept: bool [n], whether it was."""
+        p = np.clip(np.asarray(predicted, np.float64).ravel(), 0.0, 1.0)
+        if p.size == 0:
+            return
+        k = np.asarray(kept, np.bool_).ravel()
+        b = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
+        for i, (n, s, c) in enumerate(zip(np.bincount(b, minlength=CALIBRATION_BINS).tolist(),
+                                          np.bincount(b, weights=p, minlength=CALIBRATION_BINS).tolist(),
+                                          np.bincount(b, weights=k, minlength=CALIBRATION_BINS).tolist())):
+            self.tokens[i] += n
+            self.predicted[i] += s
+            self.kept[i] += int(round(c))
+
+    def observe_rows(self, p_kept, sent, kept) -> None:
+        """One step of several rows: p_kept float [r, >= max(sent)] (row i's predictions for its draft tokens),
+        sent int [r] (tokens of it sent), kept int [r] (of those, the prefix the target kept)."""
+        sent = np.asarray(sent, np.int64)
+        if sent.size == 0 or not sent.any():
+            return
+        p = np.asarray(p_kept, np.float64)[:, : int(sent.max())]
+        j = np.arange(p.shape[1])[None, :]
+        mask = j < sent[:, None]
+        self.observe(p[mask], (j < np.asarray(kept, np.int64)[:, None])[mask])
+
+    def merge(self, other: "Calibration") -> None:
+        for i in range(CALIBRATION_BINS):
+            self.tokens[i] += other.tokens[i]
+            self.predicted[i] += other.predicted[i]
+            self.kept[i] += other.kept[i]
+
+    def rows(self) -> list[CalibrationRow]:
+        """The bins that hold tokens, lowest first."""
+        return [CalibrationRow(i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS, n,
+                               self.predicted[i] / n, self.kept[i] / n)
+                for i, n in enumerate(self.tokens) if n]
+
+    def error(self, min_tokens: int = 50) -> float:
+        """The largest |mean predicted - share kept| over the bins holding at least min_tokens (0 when none)."""
+        return max((abs(r.predicted - r.kept) for r in self.rows() if r.tokens >= min_tokens), default=0.0)
+
+    def summary(self, min_tokens: int = 50) -> str:
+        """One line: predicted -> kept per bin, and the largest gap over bins of >= min_tokens tokens."""
+        rows = self.rows()
+        bins = ", ".join(f"{r.predicted:.2f}->{r.kept:.2f} ({r.tokens})" for r in rows)
+        worst = (f"worst gap {self.error(min_tokens):.2f}" if any(r.tokens >= min_tokens for r in rows)
+                 else f"no bin holds {min_tokens} tokens yet")
+        return f"calibration (predicted->kept, tokens): {bins or 'nothing sent'}; {worst}"
 
 
 @dataclass
@@ -32,6 +110,7 @@ class DecodeStats:
     proposer_s: float = 0.0             # drafters (extend + propose), draft-length choice and learning
     commit_s: float = 0.0               # writing emitted tokens, stopping criteria, streamer
     total_s: float = 0.0                # wall time of the whole call
+    reliability: Calibration = field(default_factory=Calibration)   # predicted vs kept, per bin (calibration())
     keep_steps: int = 100_000           # per-step lists keep the latest this many steps (one DecodeStats may
                                         # serve a server for days; every count above stays exact)
 
@@ -63,6 +142,10 @@ class DecodeStats:
         if len(self.row_steps) > self.keep_steps:
             del self.row_steps[: len(self.row_steps) - self.keep_steps // 2]
 
+    def calibration(self) -> list[CalibrationRow]:
+        """The reliability table of the acceptance model: rows (bin_low, bin_high, tokens, predicted, kept)."""
+        return self.reliability.rows()
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per step, the bonus/recovered token included (vLLM convention)."""
@@ -84,6 +167,7 @@ class DecodeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_lengths.extend(other.draft_lengths)
         self.accepted_lengths.extend(other.accepted_lengths)
+        self.reliability.merge(other.reliability)
         self.row_steps.extend(other.row_steps)
         self._bound()
         n = max(len(self.accepted_at), len(other.accepted_at))
@@ -92,8 +176,9 @@ class DecodeStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        del d["draft_lengths"], d["accepted_lengths"], d["keep_steps"], d["row_steps"]
-        d.update(mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
+        del d["draft_lengths"], d["accepted_lengths"], d["keep_steps"], d["row_steps"], d["reliability"]
+        d.update(calibration=[r._asdict() for r in self.calibration()],
+                 mean_accepted_length=self.mean_accepted_length, acceptance_rate=self.acceptance_rate,
                  tokens_per_second=self.tokens_per_second)
         return d
 
@@ -101,4 +186,5 @@ class DecodeStats:
         return (f"{self.new_tokens} tokens in {self.total_s:.2f}s ({self.tokens_per_second:.1f} tok/s); "
                 f"{self.forwards} forwards, {self.steps} steps, mean accepted length {self.mean_accepted_length:.2f}, "
                 f"drafted {self.drafted}, accepted {self.accepted} ({100 * self.acceptance_rate:.0f}%); "
-                f"time in model {self.model_s:.2f}s, proposer {self.proposer_s * 1e3:.1f}ms")
+                f"time in model {self.model_s:.2f}s, proposer {self.proposer_s * 1e3:.1f}ms"
+                + (f"\n{self.reliability.summary()}" if self.drafted else ""))
