@@ -89,14 +89,22 @@ def _drafter(k=8, settings=None, **kw):
     return lv.LookupDrafter.from_settings(settings or lv.Settings(), k, eos_token_ids=EOS, **kw)
 
 
-FULL = lv.Settings(adaptive=False)      # every proposed token sent: drafts are the full proposals
+# Every proposed token sent: drafts are the full proposals; no memory: drafts come from the request alone.
+FULL = lv.Settings(adaptive=False, memory=False)
+
+
+class FrozenMemory(Memory):
+    """A memory that stores nothing: the same for the drafter and the transformers path it is compared with."""
+
+    def remember(self, prompt, output, *, replaces=None):
+        return None
 
 
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_drafts_equal_transformers_path_while_rows_move(k):
     requests = _requests(seed=k, n=40, chunk=32)
     # No request retires while it waits outside a full batch: each is indexed once (test_preempted_* rebuilds).
-    drafter = _drafter(k, lv.Settings(adaptive=False, idle_steps=10**6))
+    drafter = _drafter(k, lv.Settings(adaptive=False, idle_steps=10**6, memory=False))
     SimRunner(drafter, max_num_reqs=8, seed=k, p_unscheduled=0.05, p_swap=0.3, arrivals_per_step=2, k=k).run(requests)
     compared, accepted = _compare(requests, lambda: SuffixIndex(eos_token_ids=EOS), k, None)
     assert compared > 200 and accepted > 100          # guard: drafts were produced and accepted
@@ -107,12 +115,12 @@ def test_drafts_equal_transformers_path_while_rows_move(k):
 def test_drafts_equal_transformers_path_with_memory_and_references(tmp_path):
     rng = np.random.default_rng(7)
     requests = _requests(seed=3, n=24)
-    memory, refs = Memory(10_000), References()
+    memory, refs = FrozenMemory(10_000), References()
     for r in requests[:12]:                  # earlier outputs: later requests copy some of them
         memory.add(r.truth)
     refs.register("doc", tokens=rng.integers(3, 12, size=400))
     k = 8
-    # idle_steps: no request retires during the run, so the memory is the same for both paths.
+    # A frozen memory: finished requests store nothing, so the memory is the same for both paths.
     drafter = _drafter(k, lv.Settings(idle_steps=10**6, adaptive=False), memory=memory,
                        references=refs)
     SimRunner(drafter, max_num_reqs=6, seed=1, p_swap=0.5, arrivals_per_step=1).run(requests)
@@ -290,7 +298,8 @@ def test_a_replica_loads_memory_saved_by_another(tmp_path):
 def test_memory_is_saved_at_exit_with_the_live_requests(tmp_path):
     """vLLM calls nothing on a drafter at shutdown: the exit hook stores the live requests' outputs and saves."""
     path = tmp_path / "exit.mem"
-    drafter = lv.LookupDrafter.from_settings(lv.Settings(memory_save=str(path)), 8, eos_token_ids=EOS)
+    settings = lv.Settings(memory_save=str(path), save_seconds=3600)    # the saver thread waits
+    drafter = lv.LookupDrafter.from_settings(settings, 8, eos_token_ids=EOS)
     runner = SimRunner(drafter, max_num_reqs=2)
     runner.run(_requests(seed=12, n=2))
     assert drafter.live_requests > 0 and not path.exists()

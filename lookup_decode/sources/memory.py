@@ -71,26 +71,38 @@ class Memory(Corpus):
 
     def add(self, tokens) -> bool:
         """Store one sequence of token ids (int [n]); True if it was new (a repeat only refreshes its entry)."""
+        return self.store(tokens)[1]
+
+    def store(self, tokens, *, replaces: str | None = None) -> tuple[str | None, bool]:
+        """Store one sequence of token ids (int [n]); returns (its entry's key, whether it was new), (None,
+        False) for an empty one. `replaces`: the key of an entry this one extends (an earlier store of the same
+        request's output, now longer): that entry is marked to go first at the next eviction. It is not
+        removed now: removing means rebuilding the index (O(memory)), while a prefix left in place only
+        duplicates tokens; drafts from it stop where it ends and continue from the longer entry."""
         arr = self._tokens(tokens, "memory tokens")
         if arr.size == 0:
-            return False
+            return None, False
         arr = arr[: max(1, int(LOW_WATER * self.max_tokens))]
         key = hashlib.sha1(arr.tobytes()).hexdigest()
         with self._lock:
             self.clock += 1
+            old = self._entries.get(replaces) if replaces is not None and replaces != key else None
+            if old is not None:
+                old.last_used, old.accepted = -1, 0         # before everything else in the eviction order
             if key in self._entries:
                 self._entries[key].last_used = self.clock
-                return False
+                return key, False
             if self._n_tokens + arr.size > self.max_tokens:
                 self._evict(int(LOW_WATER * self.max_tokens) - arr.size)
             self._append(Entry(key, arr, added=self.clock, last_used=self.clock))
-            return True
+            return key, True
 
-    def remember(self, prompt, output) -> None:
-        """What `generate` calls when a request returns: store its output (and prompt if asked)."""
+    def remember(self, prompt, output, *, replaces: str | None = None) -> str | None:
+        """What `generate` calls when a request returns: store its output (and prompt if asked); returns the
+        output's entry key (None: empty). `replaces`: as for `store`."""
         if self.remember_prompts:
             self.add(prompt)
-        self.add(output)
+        return self.store(output, replaces=replaces)[0]
 
     def _evict(self, budget: int) -> None:
         """Drop least recently useful entries until at most `budget` tokens remain (caller holds the lock)."""

@@ -17,8 +17,17 @@ So one call does, for all rows at once:
 3. choose how many tokens of each draft to send (`policy.ragged_lengths`): those that pay for their place in
    the step, the cost of a token being learned from the time between calls (`step_cost.StepCost`), since vLLM calls
    once per step;
-4. retire requests absent for `idle_steps` steps (their outputs go to the memory) and keep the indexes within
-   `max_index_bytes`.
+4. keep the memory of outputs (`sources.memory.Memory`, on unless `memory: false`): a request's output enters it
+   as soon as the request finishes: in the call whose row emitted EOS, or (finished at max_tokens, stopped by a
+   string, preempted, aborted) in the first call its row is absent, before this call's drafts are made, so the
+   other rows draft from it at once. A request seen again after its output was stored (preempted, or unscheduled
+   for a step) stores its whole output later, and that entry replaces the shorter one (`Memory.store`).
+5. retire requests absent for `idle_steps` steps and keep the indexes within `max_index_bytes`.
+
+With `memory_save`, a daemon thread (`_saver`, started by the first call) writes the memory within
+`save_seconds` of an output entering it, and when the engine has made no call for IDLE_SECONDS it stores the
+outputs of the requests still known (the last request of a burst leaves no later call to notice it): vLLM
+force-kills its worker at shutdown, so nothing may wait for the exit. It shares one lock with `propose`.
 
 Failures never stop the engine: an exception inside a call is logged once, that step drafts nothing, and the
 drafter starts afresh. Settings: `settings.Settings`. Nothing here imports vLLM at module level.
@@ -31,6 +40,8 @@ import contextlib
 import glob
 import logging
 import os
+import sys
+import threading
 import time
 import weakref
 from collections import Counter
@@ -42,6 +53,7 @@ import numpy as np
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import ragged_lengths
 from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.stats import Calibration
 from lookup_decode.core.step_cost import StepCost
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.vllm import cpu_fix
@@ -52,6 +64,7 @@ from lookup_decode.sources.proposer import MEMORY, REFERENCES, REQUEST
 
 log = logging.getLogger("lookup_decode.vllm")
 SOURCES = (REQUEST, MEMORY, REFERENCES)
+IDLE_SECONDS = 1.0      # no propose call for this long: the engine is idle, its known requests' outputs are stored
 
 
 @dataclass
@@ -68,10 +81,26 @@ class DrafterStats:
     retired: int = 0                   # requests dropped after idle_steps absent
     evicted: int = 0                   # requests dropped for the byte bound
     refused: int = 0                   # rows left without an index for the byte bound
-    stored: int = 0                    # outputs stored into the memory
+    stored: int = 0                    # outputs stored into the memory (a request stored twice counts twice)
+    saves: int = 0                     # writes of memory_save
     errors: int = 0                    # calls that failed (logged once; those steps drafted nothing)
     propose_s: float = 0.0             # time inside propose
+    propose_max_s: float = 0.0         # the slowest propose call
     sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source
+    reliability: Calibration = field(default_factory=Calibration)   # predicted vs kept of the tokens sent
+
+    def calibration(self) -> list:
+        """The acceptance model's reliability table: rows (bin_low, bin_high, tokens, predicted, kept)."""
+        return self.reliability.rows()
+
+    def summary(self) -> str:
+        """One line of counts (accepted per source, ms per call: mean and worst), then the calibration line."""
+        share = f" ({100 * self.accepted / self.drafted:.0f}%)" if self.drafted else ""
+        by_source = ", ".join(f"{name} {self.sources.get(name, 0)}" for name in SOURCES)
+        mean_ms = 1e3 * self.propose_s / max(self.steps, 1)
+        return (f"{self.steps} steps, {self.rows} row-steps, drafted {self.drafted}, accepted {self.accepted}{share} "
+                f"(by source: {by_source}); stored {self.stored} outputs, {self.errors} errors; propose "
+                f"{mean_ms:.2f} ms per step, worst {1e3 * self.propose_max_s:.1f} ms\n{self.reliability.summary()}")
 
 
 def _numpy(array) -> np.ndarray:
@@ -135,6 +164,7 @@ class LookupDrafter:
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()
+        _show_info_logs()
 
     @classmethod
     def from_settings(cls, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
@@ -171,14 +201,20 @@ class LookupDrafter:
         for corpus in self.corpora:                 # a foreign memory file fails here, not while serving
             if vocab_size is not None:
                 corpus.check_vocab(vocab_size, "the engine's model")
-        self.cost = StepCost(settings.draft_cost)
+        self.cost = StepCost(settings.draft_cost) if settings.draft_cost is not None else StepCost()
         self._retire_every = max(1, settings.idle_steps // 4)
         self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self.stats = DrafterStats()
+        self._lock = threading.RLock()              # propose and the saver thread
         self._unsaved = 0
+        self._saved_at = time.monotonic()           # the last write of memory_save (or the start)
+        self._called_at = time.monotonic()          # the last propose call
+        self._idle_stored = True                    # the saver stored the known requests since the last call
+        self._saver: threading.Thread | None = None
         self._logged = False
+        self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
         self._fresh()
-        if self.memory is not None and self.memory_save and self.saves:
+        if self._persists:
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     def _fresh(self) -> None:
@@ -202,19 +238,25 @@ class LookupDrafter:
         token_ids_cpu: int [>= rows, max_model_len] (numpy or torch), row i's tokens in its first
             num_tokens_no_spec[i] columns. slot_mappings: unused (no model).
         """
-        start, t = self.clock(), time.perf_counter()
-        try:
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
-        except Exception:                           # noqa: BLE001  (a drafter failure must never stop the engine)
-            self.stats.errors += 1
-            if not self._logged:
-                log.exception("lookup_decode: the drafter failed; this step drafts nothing and the drafter starts "
-                              "afresh (later failures are only counted: drafter.stats.errors)")
-                self._logged = True
-            self._fresh()
-            return [[] for _ in sampled_token_ids]
-        finally:
-            self.stats.propose_s += time.perf_counter() - t
+        with self._lock:
+            start, t = self.clock(), time.perf_counter()
+            try:
+                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
+            except Exception:                       # noqa: BLE001  (a drafter failure must never stop the engine)
+                self.stats.errors += 1
+                if not self._logged:
+                    log.exception("lookup_decode: the drafter failed; this step drafts nothing and the drafter "
+                                  "starts afresh (later failures are only counted: drafter.stats.errors)")
+                    self._logged = True
+                self._fresh()
+                return [[] for _ in sampled_token_ids]
+            finally:
+                took = time.perf_counter() - t
+                self.stats.propose_s += took
+                self.stats.propose_max_s = max(self.stats.propose_max_s, took)
+                self._called_at, self._idle_stored = time.monotonic(), False
+                if self._saver is None and self._persists:
+                    self._start_saver()
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM calls this with the target model after building the drafter; there is no model to load."""
@@ -237,6 +279,8 @@ class LookupDrafter:
             # verified each row's token and the draft it was sent (rows that finished before it are not here).
             self.cost.observe(len(rows) + int(self.requests.sent[claim.slots].sum()), now - self._last)
         placed = self._within_bound(claim, counts[rows])
+        if self.memory is not None:
+            self._store_finished(matrix, rows[placed], claim.slots[placed], counts[rows][placed])
         rows, slots = rows[placed], claim.slots[placed]
         ends = counts[rows]
         limits = np.full(len(rows), self.k, np.int64)
@@ -246,7 +290,7 @@ class LookupDrafter:
             step = self.pool.step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0),
                                   claim.learn[placed], [held.enter_context(c.reading()) for c in self.corpora])
         self.requests.file(matrix, rows, slots, ends, self._call)
-        self._learned(step)
+        self._learned(step, slots)
         # Not adaptive: everything the index proposes, up to k (vLLM's n-gram rule).
         lengths = ragged_lengths(step.p_kept, step.lengths, self.cost.token_cost) if self.settings.adaptive \
             else step.lengths
@@ -267,6 +311,9 @@ class LookupDrafter:
         s.extended += len(rows) - claim.built - claim.continued
         s.refused += int((claim.slots < 0).sum())
         self.requests.sent[slots] = lengths
+        if len(self._p_sent) < self.pool.slots:
+            self._p_sent = np.concatenate([self._p_sent, np.zeros((self.pool.slots + 64 - len(self._p_sent), self.k))])
+        self._p_sent[slots] = step.p_kept
         self._last = now
         if self._call % self._retire_every == 0:     # a bounded delay; the scan over live requests is O(requests)
             self._retire(self._call - self.settings.idle_steps, "retired")
@@ -274,8 +321,14 @@ class LookupDrafter:
             self.reload_memory()
         return drafts
 
-    def _learned(self, step) -> None:
-        """What the engine kept of the last drafts: statistics, and credit to the corpus entries drafted from."""
+    def _learned(self, step, slots: np.ndarray) -> None:
+        """What the engine kept of the last drafts: statistics, calibration, and credit to the corpus entries
+        drafted from."""
+        learned = step.kept >= 0
+        if learned.any():               # of the tokens sent last call, priced at _p_sent: the prefix kept
+            sl = slots[learned]
+            sent = self.requests.sent[sl]
+            self.stats.reliability.observe_rows(self._p_sent[sl], sent, np.minimum(step.kept[learned], sent))
         kept = np.maximum(step.kept, 0)
         self.stats.accepted += int(kept.sum())
         if not kept.any():
@@ -327,23 +380,71 @@ class LookupDrafter:
             self._drop(s, counter)
 
     def _drop(self, s: int, counter: str) -> None:
-        tokens, prompt = self.requests.drop(s)
+        self._store_slot(s)                         # normally stored already, when the request finished
+        self.requests.drop(s)
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        if self.memory is None or prompt < 0:
+
+    # -- the memory of outputs ------------------------------------------------------------------------
+    def _store_finished(self, matrix, rows, slots, counts) -> None:
+        """Store the outputs of the requests that finished since the last call, before this call drafts: rows whose
+        last token is EOS (their text is the row), and known requests whose row is absent from this call."""
+        if len(self.eos) and len(rows):
+            ended = np.isin(matrix[rows, counts - 1], self.eos)
+            for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
+                self._store(s, matrix[row, :n])
+        r = self.requests
+        live = np.fromiter(r.live, np.int64, count=len(r.live))
+        gone = live[r.last_seen[live] < self._call]
+        gone = gone[self.pool.length(gone) > r.stored[gone]]
+        for s in gone.tolist():
+            self._store_slot(s)
+
+    def _store_slot(self, s: int) -> None:
+        if self.memory is not None and int(self.pool.length([s])[0]) > self.requests.stored[s]:
+            self._store(s, self.pool.tokens(s))
+
+    def _store(self, s: int, tokens: np.ndarray) -> None:
+        """Store request s's output (tokens: its whole text, prompt first), replacing what it stored before."""
+        r = self.requests
+        prompt = int(r.prompt_len[s])
+        r.stored[s] = len(tokens)
+        if prompt < 0 or len(tokens) <= prompt:
             return                                  # an unknown prompt length could store prompt as output
-        # A request left: its output goes to the memory, as `generate` stores outputs when it returns.
-        self.memory.remember(tokens[:prompt], tokens[prompt:])
+        key = self.memory.remember(tokens[:prompt], tokens[prompt:], replaces=r.keys.get(s))
+        if key is not None:
+            r.keys[s] = key
         self.stats.stored += 1
         self._unsaved += 1
-        if self.memory_save and self.saves and self._unsaved >= self.settings.save_every:
+        if self._persists and self._unsaved >= self.settings.save_every:
             self.save_memory()
+
+    @property
+    def _persists(self) -> bool:
+        return self.memory is not None and bool(self.memory_save) and self.saves
+
+    def _start_saver(self) -> None:
+        self._saver = threading.Thread(target=_saver, args=(weakref.ref(self),), name="lookup_decode-memory",
+                                       daemon=True)
+        self._saver.start()
+
+    def _tick(self, now: float) -> None:
+        """The saver's turn: store the known requests' outputs once the engine is idle, and write memory_save when
+        outputs entered the memory and save_seconds passed since the last write."""
+        with self._lock:
+            if not self._idle_stored and now - self._called_at >= IDLE_SECONDS:
+                for s in sorted(self.requests.live):
+                    self._store_slot(s)
+                self._idle_stored = True
+            if self._unsaved and now - self._saved_at >= self.settings.save_seconds:
+                self.save_memory()
 
     # -- memory and references ------------------------------------------------------------------------
     def _load_memory(self) -> Memory | None:
-        """The memory to draft from: the files in settings.memory merged (memory_save may not exist yet), or
-        None when neither is set. Unreadable files raise here, when the engine builds the drafter."""
+        """The memory to draft from: the files in settings.memory merged (memory_save may not exist yet; none: an
+        empty memory), or None when the memory is off. Unreadable files raise here, when the engine builds the
+        drafter."""
         s = self.settings
-        if not s.memory and not s.memory_save:
+        if not s.has_memory:
             return None
         try:
             return load_memory(_memory_files(s.memory), max_tokens=s.memory_tokens, vocab_size=self.vocab_size,
@@ -374,10 +475,16 @@ class LookupDrafter:
         """Write the memory to `path` (default: the memory_save setting) for other replicas to load."""
         path = path if path is not None else self.memory_save
         if self.memory is None or path is None:
-            raise ValueError("no memory to save (set LOOKUP_DECODE_MEMORY_SAVE or LOOKUP_DECODE_MEMORY_TOKENS "
-                             "with a memory file)" if self.memory is None else "save_memory needs a path")
-        self.memory.save(path)
-        self._unsaved = 0
+            raise ValueError(f"no memory to save ({ENV_PREFIX}MEMORY is false)" if self.memory is None
+                             else "save_memory needs a path")
+        with self._lock:
+            self.memory.save(path)
+            self._unsaved = 0
+            self._saved_at = time.monotonic()
+            self.stats.saves += 1
+            # What a user reads in the server's log: the memory written, and what the drafter did so far.
+            log.info("lookup_decode: memory saved to %s (%d outputs, %d tokens); %s", path, len(self.memory),
+                     self.memory.n_tokens, self.stats.summary())
 
     def reload_memory(self) -> int:
         """Add the entries of the memory files (settings.memory) that this memory lacks; returns how many.
@@ -403,6 +510,29 @@ class LookupDrafter:
         return self.pool.bytes
 
 
+def _saver(ref) -> None:
+    """The memory_save thread's loop (a daemon: it never delays an exit). It holds the drafter only weakly, and a
+    failure is logged (once) and never raised."""
+    failed = False
+    while True:
+        drafter = ref()
+        if drafter is None:
+            return
+        pause = min(drafter.settings.save_seconds, IDLE_SECONDS) / 4
+        del drafter
+        time.sleep(pause)
+        drafter = ref()
+        if drafter is None:
+            return
+        try:
+            drafter._tick(time.monotonic())
+        except Exception:                           # noqa: BLE001
+            if not failed:
+                log.exception("lookup_decode: storing or saving the memory failed (retried; logged once)")
+                failed = True
+        del drafter
+
+
 def _flush_at_exit(ref) -> None:
     """At interpreter exit (vLLM calls nothing on a drafter at shutdown): store the live requests' outputs and
     save the memory. Never raises: an exit must not fail for it."""
@@ -410,7 +540,20 @@ def _flush_at_exit(ref) -> None:
     if drafter is None:
         return
     try:
-        drafter._retire(drafter._call, "retired")
-        drafter.save_memory()
+        with drafter._lock:
+            drafter._retire(drafter._call, "retired")
+            drafter.save_memory()
     except Exception:                               # noqa: BLE001
         log.exception("lookup_decode: saving the memory at exit failed")
+
+
+def _show_info_logs() -> None:
+    """vLLM configures its own loggers only: give lookup_decode's a handler (stderr) unless the process has one, so
+    its INFO lines (each memory save, with the drafter's stats) reach the server's log."""
+    ours = logging.getLogger("lookup_decode")
+    if not ours.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)

@@ -92,9 +92,13 @@ class RequestTable:
         self.last_seen = np.zeros(n, np.int64)  # the call that last saw it
         self.prompt_len = np.full(n, -1, np.int64)
         self.sent = np.zeros(n, np.int64)       # draft tokens sent to the slot's row at its last call
-        # Dropped requests: (length, fingerprint at it, prompt length), a ring.
+        self.stored = np.full(n, -1, np.int64)  # the slot's length when its output was last stored (-1: never)
+        self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
+                                                # replaces it: `Memory.store`)
+        # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
         self.dropped = np.zeros((DROPPED_KEPT, 3), np.int64)
         self.dropped_fp = np.zeros(DROPPED_KEPT, np.uint64)
+        self.dropped_key: dict[int, str] = {}
         self.dropped_n = 0
 
     def _room(self, s: int) -> None:
@@ -104,6 +108,7 @@ class RequestTable:
             self.last_seen = np.concatenate([self.last_seen, np.zeros(n - len(self.last_seen), np.int64)])
             self.prompt_len = np.concatenate([self.prompt_len, np.full(n - len(self.prompt_len), -1, np.int64)])
             self.sent = np.concatenate([self.sent, np.zeros(n - len(self.sent), np.int64)])
+            self.stored = np.concatenate([self.stored, np.full(n - len(self.stored), -1, np.int64)])
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -177,9 +182,13 @@ class RequestTable:
             self._room(s)
             self.live.add(s)
             prompt = n - 1 if emitted[j] == 1 and claim.continued == 0 else -1
-            resumed = self._dropped_prompt(matrix, int(rows[j]), n - int(emitted[j]))
+            self.stored[s] = -1
+            self.keys.pop(s, None)
+            resumed, ring = self._dropped_prompt(matrix, int(rows[j]), n - int(emitted[j]))
             if resumed >= 0:
                 prompt, claim.resumed = resumed, claim.resumed + 1
+                if ring in self.dropped_key:        # what it stored before: its next store replaces that entry
+                    self.keys[s] = self.dropped_key[ring]
             self.prompt_len[s] = prompt
             self.last_seen[s] = call
             slots[j], starts[j] = s, 0
@@ -198,24 +207,32 @@ class RequestTable:
                 return s
         return -1
 
-    def _dropped_prompt(self, matrix, row: int, before: int) -> int:
-        """The prompt length of a dropped request whose text is this row's first `before` tokens (the row continues
-        it by this step's sampled tokens); -1: none."""
+    def _dropped_prompt(self, matrix, row: int, before: int) -> tuple[int, int]:
+        """(prompt length, ring index) of a dropped request whose text is this row's first `before` tokens (the row
+        continues it by this step's sampled tokens); (-1, -1): none."""
         d = self.dropped[: min(self.dropped_n, DROPPED_KEPT)]
         hit = np.flatnonzero(d[:, 0] == before)
         if len(hit) == 0:
-            return -1
+            return -1, -1
         same = fingerprints(matrix, np.full(len(hit), row), d[hit, 0]) == self.dropped_fp[hit]
-        return int(d[hit[same][-1], 2]) if same.any() else -1
+        if not same.any():
+            return -1, -1
+        i = int(hit[same][-1])
+        return int(d[i, 2]), i
 
     # -- leaving --------------------------------------------------------------------------------------
     def drop(self, s: int) -> tuple[np.ndarray, int]:
         """Free slot s; returns its text and prompt length (-1: unknown) for the caller to remember."""
         tokens, prompt = self.pool.tokens(s), int(self.prompt_len[s])
         self._unfile(s)
+        key = self.keys.pop(s, None)
         if prompt >= 0:
             i = self.dropped_n % DROPPED_KEPT
             self.dropped[i], self.dropped_fp[i] = (len(tokens), 0, prompt), self.fp[s]
+            if key is not None:
+                self.dropped_key[i] = key
+            else:
+                self.dropped_key.pop(i, None)
             self.dropped_n += 1
         self.live.discard(s)
         self.pool.remove(s)

@@ -19,6 +19,7 @@ from lookup_decode.core.config import LookupConfig, check_k, check_match
 
 ENV_PREFIX = "LOOKUP_DECODE_"
 CONFIG_KEY = "lookup_decode"        # the key of additional_config the drafter reads
+_WORDS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,21 @@ class Settings:
         kept against what a token costs the step, learned from the time between the drafter's calls);
         False: every token the index proposes, up to k (vLLM's n-gram proposer's rule).
     draft_cost: what one more token costs a step, relative to the step's fixed part, before any step was
-        timed (adaptive only: the prior of the learned cost).
-    memory: memory file(s) to load at start (os.pathsep-separated; glob patterns allowed, e.g. every replica's
-        `/shared/mem-*.npz`), made by `Memory.save` or by another replica's `memory_save`.
-    memory_save: where this engine writes its memory (every `save_every` stored outputs, and when the process
-        exits). "{replica}" in it becomes the data-parallel rank; with several replicas and no "{replica}" the
-        rank is added before the suffix. With memory_save but no memory file yet, the memory starts empty.
-    memory_tokens: the memory's bound in tokens.
+        timed (adaptive only: the prior of the learned cost); None: the step cost's own prior for the device.
+    memory: the engine keeps a memory of its requests' outputs (on by default: every output enters it when its
+        request finishes, and every later or concurrent request drafts from it). A string: memory file(s) to
+        load at start (os.pathsep-separated; glob patterns allowed, e.g. every replica's `/shared/mem-*.npz`),
+        made by `Memory.save` or by another replica's `memory_save`. False ("false", "off", "no", "0"): no
+        memory at all.
+    memory_save: where this engine writes its memory: within `save_seconds` of an output entering it, every
+        `save_every` stored outputs, and when the process exits. "{replica}" in it becomes the data-parallel
+        rank; with several replicas and no "{replica}" the rank is added before the suffix. With memory_save
+        but no memory file yet, the memory starts empty.
+    memory_tokens: the memory's bound in tokens (its index holds ~170 bytes per token: 262,144 tokens ~ 44 MB;
+        past the bound the least recently useful outputs go).
+    save_seconds: memory_save is written at most this long after an output entered the memory (by a
+        background thread, so a server that sits idle or is killed at shutdown has saved it); the thread
+        also stores the outputs of requests still known when the engine has made no step for IDLE_SECONDS.
     references: a `References.save` file, or a folder of them and of text files (tokenized with the
         engine's tokenizer).
     max_index_bytes: bound on the bytes of all per-request indexes together.
@@ -51,10 +60,11 @@ class Settings:
     min_match: int = LookupConfig.min_match
     max_match: int = LookupConfig.max_match
     adaptive: bool = True
-    draft_cost: float = 0.02
-    memory: str | None = None
+    draft_cost: float | None = None
+    memory: str | bool | None = None
     memory_save: str | None = None
-    memory_tokens: int = 1_000_000
+    memory_tokens: int = 262_144
+    save_seconds: float = 5.0
     references: str | None = None
     max_index_bytes: int = 4 * 2**30
     idle_steps: int = 16
@@ -87,8 +97,20 @@ class Settings:
                 raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
         if self.reload_every < 0:
             raise ValueError(f"{ENV_PREFIX}RELOAD_EVERY must be >= 0, got {self.reload_every}")
-        if not self.draft_cost >= 0:
+        if self.draft_cost is not None and not self.draft_cost >= 0:
             raise ValueError(f"{ENV_PREFIX}DRAFT_COST must be >= 0, got {self.draft_cost}")
+        if not self.save_seconds > 0:
+            raise ValueError(f"{ENV_PREFIX}SAVE_SECONDS must be > 0, got {self.save_seconds}")
+        if self.memory is False and self.memory_save:
+            raise ValueError(f"{ENV_PREFIX}MEMORY is false (no memory) but {ENV_PREFIX}MEMORY_SAVE is set: "
+                             "there would be nothing to save")
+        if self.memory is True:
+            raise ValueError(f"{ENV_PREFIX}MEMORY: True is the default (None); give file paths or False")
+
+    @property
+    def has_memory(self) -> bool:
+        """Whether the drafter keeps a memory of outputs (everything but `memory: false`)."""
+        return self.memory is not False
 
 
 def _read_object(text: str | None, where: str, names: list[str]) -> dict:
@@ -113,7 +135,14 @@ def _checked_keys(raw, where: str, names: list[str]) -> dict:
 def _parse(name: str, value):
     """A setting from a string (environment) or a JSON value, to its field's type; ValueError naming it."""
     try:
-        if name in ("memory", "memory_save", "references"):
+        if name == "memory":
+            # A switch or file paths: JSON true/false, or the words below (a file named "off" needs "./off").
+            if isinstance(value, bool):
+                return None if value else False
+            if isinstance(value, str) and value.strip().lower() in _WORDS:
+                return None if _WORDS[value.strip().lower()] else False
+            return None if value in (None, "") else str(value)
+        if name in ("memory_save", "references"):
             return None if value in (None, "") else str(value)
         if name == "eos":
             if value in (None, ""):
@@ -126,9 +155,11 @@ def _parse(name: str, value):
             if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
                 return value.lower() in ("1", "true", "yes")
             raise ValueError(value)
-        if name == "draft_cost":
+        if name in ("draft_cost", "save_seconds"):
             if isinstance(value, bool):
                 raise ValueError(value)
+            if name == "draft_cost" and value in (None, ""):
+                return None
             return float(value)
         if name == "k" and value in (None, ""):
             return None
