@@ -9,6 +9,7 @@ cost model; its state must stay bounded and never orphaned; and it must never fa
 
 import importlib.util
 import logging
+import time
 import weakref
 from dataclasses import fields
 from types import SimpleNamespace
@@ -204,6 +205,9 @@ def test_preempted_requests_keep_their_prompt_length(steps, tmp_path):
     outputs = [r.truth.tolist() for r in requests]
     assert stored and all(any(o[: len(s)] == s for o in outputs) for s in stored)
     assert sum(s in outputs for s in stored) == len(requests)           # every whole output, once
+    # a prefix stored while its request was away goes first at the next eviction (unless drafts from it were kept)
+    prefixes = [e for e in memory.entries() if e.tokens.tolist() not in outputs]
+    assert prefixes and all(e.last_used == -1 or e.accepted > 0 for e in prefixes)
 
 
 def test_sampled_rows_draft_and_learn_lower_acceptance():
@@ -474,3 +478,126 @@ def test_benchmark_ngram_proposer_follows_vllm_rule():
     rows = np.zeros((2, 64), np.int32)
     rows[1, :6] = [1, 2, 3, 4, 2, 3]
     assert proposer.propose([[], [3]], np.array([0, 6]), rows) == [[], [4, 2, 3]]
+
+
+# -- the memory of outputs: on by default, stored when a request finishes, saved on a bound of time ----------
+
+def _copier_pair(eos: bool, rng_seed: int = 21) -> list[SimRequest]:
+    """Two concurrent requests: A emits X and finishes (with EOS, or at max_tokens); B, which cannot know X from
+    its own prompt, emits X after A has finished."""
+    rng = np.random.default_rng(rng_seed)
+    x = rng.integers(3, 200, size=40).astype(np.int32)
+    a = SimRequest(rng.integers(3, 200, size=30).astype(np.int32), np.append(x, EOS[0]).astype(np.int32) if eos else x)
+    b = SimRequest(rng.integers(3, 200, size=30).astype(np.int32),
+                   np.concatenate([rng.integers(3, 200, size=60), x]).astype(np.int32))
+    return [a, b]
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_a_finished_output_is_drafted_at_once_by_a_concurrent_request(eos):
+    """A's output enters the memory in the call its EOS was emitted in, or (finished at max_tokens) the first call
+    its row is absent from; B, still decoding, then drafts it. Without the memory B copies nothing."""
+    seen = {}
+
+    def watch(runner):
+        a = requests[0]
+        if a.done and "done" not in seen:
+            seen["done"] = runner.steps
+        if len(drafter.memory) and "stored" not in seen:
+            seen["stored"] = runner.steps
+
+    requests = _copier_pair(eos)
+    drafter = _drafter(8, lv.Settings(adaptive=False))
+    SimRunner(drafter, max_num_reqs=4, on_step=watch).run(requests)
+    alone = _copier_pair(eos)
+    off = _drafter(8, FULL)
+    SimRunner(off, max_num_reqs=4).run(alone)
+    assert [r.out for r in requests] == [r.truth.tolist() for r in requests]
+    assert seen["stored"] == seen["done"] + (0 if eos else 1)
+    assert drafter.stats.sources["memory"] > 30 and off.stats.sources["memory"] == 0
+    assert len(requests[1].emitted) < len(alone[1].emitted) - 20        # B: far fewer steps for the same tokens
+    assert [e.tokens.tolist() for e in drafter.memory.entries()] == [r.truth.tolist() for r in requests]
+
+
+def test_memory_false_turns_the_memory_off_and_the_default_is_on(clean_env):
+    assert lv.LookupDrafter(_vllm_config()).memory.max_tokens == lv.Settings().memory_tokens
+    clean_env.setenv("LOOKUP_DECODE_MEMORY", "false")
+    assert lv.LookupDrafter(_vllm_config()).memory is None
+    clean_env.delenv("LOOKUP_DECODE_MEMORY")
+    config = _vllm_config()
+    config.additional_config = {"lookup_decode": {"memory": False}}
+    assert lv.LookupDrafter(config).memory is None
+    config.additional_config = {"lookup_decode": {"memory": False, "memory_save": "m.npz"}}
+    with pytest.raises(ValueError, match="MEMORY"):
+        lv.LookupDrafter(config)
+    read = [lvs.Settings.from_sources(environ={"LOOKUP_DECODE_MEMORY": v}).memory for v in ("off", "true", "a.npz")]
+    assert read == [False, None, "a.npz"]
+    assert lvs.Settings.from_sources(environ={"LOOKUP_DECODE_SAVE_SECONDS": "2.5"}).save_seconds == 2.5
+    with pytest.raises(ValueError, match="SAVE_SECONDS"):
+        lvs.Settings.from_sources(environ={"LOOKUP_DECODE_SAVE_SECONDS": "0"})
+    requests = _requests(seed=13, n=8)
+    drafter = _drafter(8, lv.Settings(memory=False))
+    SimRunner(drafter, max_num_reqs=4).run(requests)
+    assert drafter.stats.stored == 0 and drafter.stats.accepted > 0
+
+
+def test_draft_cost_default_is_the_step_costs_own_prior():
+    from lookup_decode.core.step_cost import StepCost
+    assert lv.Settings().draft_cost is None
+    assert _drafter(8).cost.token_cost == StepCost().token_cost
+    assert _drafter(8, lv.Settings(draft_cost=0.3)).cost.token_cost == 0.3
+
+
+def test_the_saver_writes_memory_save_within_save_seconds_with_no_further_call(tmp_path, monkeypatch, caplog):
+    """A server whose last request finished at max_tokens makes no further call: after IDLE_SECONDS the saver
+    stores the requests still known, and writes memory_save; the save logs the drafter's stats."""
+    monkeypatch.setattr(lv, "IDLE_SECONDS", 0.2)
+    path = tmp_path / "m.npz"
+    drafter = _drafter(4, lv.Settings(memory_save=str(path), save_seconds=0.2))
+    tokens = np.zeros((1, 64), np.int32)
+    tokens[0, :10] = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    with caplog.at_level(logging.INFO, logger="lookup_decode.vllm"):
+        drafter.propose([[4]], np.array([10]), tokens)
+        tokens[0, 10] = 5
+        drafter.propose([[5]], np.array([11]), tokens)
+        for _ in range(100):                        # up to 10 s on a busy machine; ~0.5 s when idle
+            if path.is_file():
+                break
+            time.sleep(0.1)
+        time.sleep(0.1)                             # the log line follows the write
+    assert [e.tokens.tolist() for e in Memory.load(path).entries()] == [[4, 5]]
+    assert drafter.stats.saves >= 1 and drafter.live_requests == 1      # stored, still known
+    assert any("memory saved to" in r.message and "by source" in r.message for r in caplog.records)
+
+
+def test_a_failing_save_is_logged_and_never_raised(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(lv, "IDLE_SECONDS", 0.1)
+    drafter = _drafter(4, lv.Settings(memory_save=str(tmp_path / "no" / "such" / "dir.npz"), save_seconds=0.1,
+                                      save_every=10**6))
+    requests = _requests(seed=14, n=4)
+    with caplog.at_level(logging.ERROR, logger="lookup_decode.vllm"):
+        SimRunner(drafter, max_num_reqs=4).run(requests)
+        for _ in range(100):
+            if any("saving the memory failed" in r.message for r in caplog.records):
+                break
+            time.sleep(0.1)
+    assert any("saving the memory failed" in r.message for r in caplog.records)
+    assert drafter.stats.errors == 0 and drafter.stats.accepted > 0 and drafter._saver.is_alive()
+
+
+def test_calibration_counts_the_tokens_sent_and_what_was_kept_of_them():
+    full = _drafter(8, FULL)
+    SimRunner(full, max_num_reqs=4, seed=3).run(_requests(seed=8, n=12))
+    rel, st = full.stats.reliability, full.stats
+    assert sum(rel.kept) == st.accepted                 # every token sent is the full proposal: kept = accepted
+    assert 0.8 * st.drafted < sum(rel.tokens) <= st.drafted     # the last draft of each request is never learned
+    rows = st.calibration()
+    assert rows and all(0 <= r.kept <= 1 and r.bin_low <= r.predicted <= r.bin_high for r in rows)
+    adaptive = _drafter(8)
+    runner = SimRunner(adaptive, max_num_reqs=4, seed=3, step_seconds=lambda n: 0.05 + 0.004 * n)
+    adaptive.clock = runner.clock
+    runner.run(_requests(seed=8, n=12))
+    rel, st = adaptive.stats.reliability, adaptive.stats
+    assert 0 < sum(rel.tokens) <= st.drafted and 0 < sum(rel.kept) <= st.accepted
+    assert st.propose_max_s >= st.propose_s / st.steps > 0
+    assert "calibration (predicted->kept" in st.summary() and "worst" in st.summary().splitlines()[0]

