@@ -167,10 +167,10 @@ def scenario_faulty(out):
 
 
 def scenario_memory(out):
-    """The memory prompt (a poem: the prompt has nothing to copy) cold, an unrelated request (so the first
-    one is retired into the memory), the memory prompt again; LOOKUP_DECODE_MEMORY_SAVE / _MEMORY come from
-    the test's environment. The memory file is not written before this process exits (save_every is large):
-    the drafter's exit hook writes it."""
+    """The memory prompt (a poem: the prompt has nothing to copy) cold (its output enters the memory when it
+    finishes), an unrelated request, the memory prompt again; LOOKUP_DECODE_MEMORY_SAVE / _MEMORY and the save
+    bounds come from the test's environment. The memory file is not written before this process exits
+    (save_every and save_seconds are large): the drafter's exit hook writes it."""
     llm = vs.make_llm(vs.LOOKUP_SPEC)
     tok = llm.get_tokenizer()
     p = _prompts(tok)
@@ -342,7 +342,7 @@ def test_memory_within_one_engine_and_across_engines(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory")
     path = folder / "memory.npz"
     env = {"LOOKUP_DECODE_MEMORY_SAVE": str(path), "LOOKUP_DECODE_IDLE_STEPS": "2",
-           "LOOKUP_DECODE_SAVE_EVERY": "1000"}
+           "LOOKUP_DECODE_SAVE_EVERY": "1000", "LOOKUP_DECODE_SAVE_SECONDS": "3600"}
     one = vs.run_scenario("test_vllm_engine", "scenario_memory", folder / "one.json", env=env)
     cold = _accepted(one["first"]["metrics"])
     assert one["first"]["tokens"] == one["second"]["tokens"]          # greedy: the same output, drafted better
