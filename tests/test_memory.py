@@ -178,6 +178,31 @@ def test_eviction_order_is_least_recently_useful_first():
     assert mem.n_tokens == 20 and mem.evicted == 2
 
 
+def test_a_longer_store_of_one_output_replaces_the_shorter_at_the_next_eviction():
+    """A request stored before it finished (the vLLM drafter: preempted) and again whole: the prefix stays indexed
+    (no rebuild) but goes first when the memory is full, before entries that are older."""
+    mem = Memory(max_tokens=28)
+    old = mem.store(np.arange(4) + 500)[0]
+    short, new = mem.store(np.arange(8) + 100)
+    whole, new_whole = mem.store(np.arange(12) + 100, replaces=short)
+    assert new and new_whole and short != whole and len(mem) == 3
+    assert mem.store([], replaces=whole) == (None, False)
+    mem.add(np.arange(5) + 900)                  # 29 > 28: down to 21 with it, the superseded prefix first
+    assert [e.key for e in mem.entries()] == [old, whole, mem.entries()[-1].key] and mem.evicted == 1
+
+
+def test_a_snapshot_saves_what_the_memory_holds(tmp_path):
+    mem = Memory(max_tokens=1000)
+    for i in range(3):
+        mem.add(np.arange(5) + 10 * i)
+    snap = mem.snapshot()
+    mem.add([7, 7, 7])                           # the memory goes on; the snapshot does not change
+    snap.save(tmp_path / "s.npz")
+    loaded = Memory.load(tmp_path / "s.npz")
+    assert [e.tokens.tolist() for e in loaded.entries()] == [e.tokens.tolist() for e in mem.entries()][:3]
+    assert loaded.clock == snap.clock and len(snap) == 3
+
+
 def test_memory_keeps_one_copy_of_a_repeat_and_truncates_huge_entries():
     mem = Memory(max_tokens=100)
     assert mem.add([1, 2, 3]) and not mem.add([1, 2, 3])

@@ -142,6 +142,16 @@ class Memory(Corpus):
         with self._lock:
             self._remove(list(self._entries))
 
+    def snapshot(self) -> "Memory":
+        """A copy of the entries without an index (O(entries): the token arrays are shared, never written), for
+        `save` to write while this memory goes on serving: a writer of it holds only the copy's lock."""
+        copy = Memory(self.max_tokens, remember_prompts=self.remember_prompts, vocab_size=self.vocab_size)
+        with self._lock:
+            copy._entries = {e.key: Entry(e.key, e.tokens, e.start, e.added, e.last_used, e.accepted)
+                             for e in self._entries.values()}
+            copy.clock, copy._n_tokens = self.clock, self._n_tokens
+        return copy
+
     def merge(self, other: "Memory") -> int:
         """Add the entries of `other` that this memory lacks (e.g. what another replica saved); returns how many."""
         return sum(self.add(e.tokens) for e in other.entries())

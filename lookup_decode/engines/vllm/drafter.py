@@ -211,6 +211,7 @@ class LookupDrafter:
         self._called_at = time.monotonic()          # the last propose call
         self._idle_stored = True                    # the saver stored the known requests since the last call
         self._saver: threading.Thread | None = None
+        self._wake = threading.Event()              # save_every outputs are waiting: the saver writes now
         self._logged = False
         self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
         self._fresh()
@@ -416,7 +417,7 @@ class LookupDrafter:
         self.stats.stored += 1
         self._unsaved += 1
         if self._persists and self._unsaved >= self.settings.save_every:
-            self.save_memory()
+            self._wake.set()                        # written by the saver thread, off the engine's step
 
     @property
     def _persists(self) -> bool:
@@ -429,14 +430,18 @@ class LookupDrafter:
 
     def _tick(self, now: float) -> None:
         """The saver's turn: store the known requests' outputs once the engine is idle, and write memory_save when
-        outputs entered the memory and save_seconds passed since the last write."""
+        outputs entered the memory and save_seconds passed since the last write (or save_every are waiting).
+        The file is written from a snapshot, outside the lock: propose never waits for a disk."""
         with self._lock:
             if not self._idle_stored and now - self._called_at >= IDLE_SECONDS:
                 for s in sorted(self.requests.live):
                     self._store_slot(s)
                 self._idle_stored = True
-            if self._unsaved and now - self._saved_at >= self.settings.save_seconds:
-                self.save_memory()
+            due = self._unsaved >= self.settings.save_every or now - self._saved_at >= self.settings.save_seconds
+            if not (self._unsaved and due):
+                return
+            pending, snapshot = self._unsaved, self.memory.snapshot()
+        self._write(snapshot, self.memory_save, pending)
 
     # -- memory and references ------------------------------------------------------------------------
     def _load_memory(self) -> Memory | None:
@@ -478,13 +483,18 @@ class LookupDrafter:
             raise ValueError(f"no memory to save ({ENV_PREFIX}MEMORY is false)" if self.memory is None
                              else "save_memory needs a path")
         with self._lock:
-            self.memory.save(path)
-            self._unsaved = 0
+            self._write(self.memory, path, self._unsaved)
+
+    def _write(self, memory: Memory, path, pending: int) -> None:
+        """Save `memory` (this drafter's, or a snapshot of it) to path; `pending` stored outputs are then saved."""
+        memory.save(path)
+        with self._lock:
+            self._unsaved -= min(pending, self._unsaved)
             self._saved_at = time.monotonic()
             self.stats.saves += 1
             # What a user reads in the server's log: the memory written, and what the drafter did so far.
-            log.info("lookup_decode: memory saved to %s (%d outputs, %d tokens); %s", path, len(self.memory),
-                     self.memory.n_tokens, self.stats.summary())
+            log.info("lookup_decode: memory saved to %s (%d outputs, %d tokens); %s", path, len(memory),
+                     memory.n_tokens, self.stats.summary())
 
     def reload_memory(self) -> int:
         """Add the entries of the memory files (settings.memory) that this memory lacks; returns how many.
@@ -518,9 +528,10 @@ def _saver(ref) -> None:
         drafter = ref()
         if drafter is None:
             return
-        pause = min(drafter.settings.save_seconds, IDLE_SECONDS) / 4
+        pause, wake = min(drafter.settings.save_seconds, IDLE_SECONDS) / 4, drafter._wake
         del drafter
-        time.sleep(pause)
+        wake.wait(pause)
+        wake.clear()
         drafter = ref()
         if drafter is None:
             return
