@@ -407,3 +407,39 @@ def test_check_vocab_names_the_problem():
     with pytest.raises(ValueError, match="token id 200 .* vocabulary of 96"):
         mem.check_vocab(96)
     mem.check_vocab(201)
+
+
+def test_evict_aside_equals_eviction_and_keeps_entries_stored_meanwhile(monkeypatch):
+    """The rebuild outside the lock evicts what a full memory would, and an entry stored while it builds is kept and
+    indexed (the new index drafts from it)."""
+    import lookup_decode.sources.memory as memory_module
+    rng = np.random.default_rng(3)
+    entries = [rng.integers(0, 50, size=10) for _ in range(9)]
+    a, b = Memory(max_tokens=100), Memory(max_tokens=100)
+    for i, e in enumerate(entries[:8]):
+        for m in (a, b):
+            m.add(e)
+            if i == 2:
+                m.credit(m.version, m.entries()[0].start, 1)    # the first entry was useful: it stays
+    assert a.evict_aside() == 0                                 # 80 tokens: below HIGH_WATER
+    for m in (a, b):
+        m.add(entries[8])                                       # 90: above it
+    late = np.arange(5) + 60
+    real_extend = memory_module._extend
+
+    def store_meanwhile(index, es):                             # another thread stores while the index is built
+        if not hasattr(store_meanwhile, "done"):
+            store_meanwhile.done = True
+            b.add(late)
+        return real_extend(index, es)
+
+    monkeypatch.setattr(memory_module, "_extend", store_meanwhile)
+    assert b.evict_aside() == 2
+    monkeypatch.setattr(memory_module, "_extend", real_extend)
+    assert a.evict_aside() == 2 and a.n_tokens == 70
+    assert [e.key for e in b.entries()][:-1] == [e.key for e in a.entries()]
+    assert b.entries()[-1].tokens.tolist() == late.tolist() and b.n_tokens == 75
+    assert entries[0].tolist() in [e.tokens.tolist() for e in b.entries()]
+    cur = b.cursor(min_match=2)
+    cur.extend(late[:3])
+    assert cur.propose(2).tokens.tolist() == late[3:5].tolist()

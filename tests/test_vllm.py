@@ -278,7 +278,7 @@ def test_memory_stays_within_bounds_over_10000_requests(tmp_path):
     assert drafter.stats.built >= 10_000 and drafter.stats.retired + drafter.stats.evicted > 9_000
     assert drafter.stats.refused > 0                  # 48 rows, room for 40: the bound was reached
     assert peak["bytes"] > bound // 2 and drafter.stats.stored > 9_000
-    for _ in range(100):                            # written by the saver thread within a few ticks
+    for _ in range(100):                            # written by the keeper thread within a few ticks
         if (tmp_path / "replica.mem").is_file():
             break
         time.sleep(0.1)
@@ -306,7 +306,7 @@ def test_a_replica_loads_memory_saved_by_another(tmp_path):
 def test_memory_is_saved_at_exit_with_the_live_requests(tmp_path):
     """vLLM calls nothing on a drafter at shutdown: the exit hook stores the live requests' outputs and saves."""
     path = tmp_path / "exit.mem"
-    settings = lv.Settings(memory_save=str(path), save_seconds=3600)    # the saver thread waits
+    settings = lv.Settings(memory_save=str(path), save_seconds=3600)    # the keeper thread waits
     drafter = lv.LookupDrafter.from_settings(settings, 8, eos_token_ids=EOS)
     runner = SimRunner(drafter, max_num_reqs=2)
     runner.run(_requests(seed=12, n=2))
@@ -552,8 +552,8 @@ def test_draft_cost_default_is_the_step_costs_own_prior():
     assert _drafter(8, lv.Settings(draft_cost=0.3)).cost.token_cost == 0.3
 
 
-def test_the_saver_writes_memory_save_within_save_seconds_with_no_further_call(tmp_path, monkeypatch, caplog):
-    """A server whose last request finished at max_tokens makes no further call: after IDLE_SECONDS the saver
+def test_the_keeper_writes_memory_save_within_save_seconds_with_no_further_call(tmp_path, monkeypatch, caplog):
+    """A server whose last request finished at max_tokens makes no further call: after IDLE_SECONDS the keeper
     stores the requests still known, and writes memory_save; the save logs the drafter's stats."""
     monkeypatch.setattr(lv, "IDLE_SECONDS", 0.2)
     path = tmp_path / "m.npz"
@@ -586,7 +586,7 @@ def test_a_failing_save_is_logged_and_never_raised(tmp_path, monkeypatch, caplog
                 break
             time.sleep(0.1)
     assert any("saving the memory failed" in r.message for r in caplog.records)
-    assert drafter.stats.errors == 0 and drafter.stats.accepted > 0 and drafter._saver.is_alive()
+    assert drafter.stats.errors == 0 and drafter.stats.accepted > 0 and drafter._keeper.is_alive()
 
 
 def test_calibration_counts_the_tokens_sent_and_what_was_kept_of_them():

@@ -21,11 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.sources.corpus import Corpus, Entry
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.sources.corpus import SEPARATOR, Corpus, Entry
 
 # After an eviction the memory holds at most this share of its bound, so the O(bound) rebuild of
 # the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
 LOW_WATER = 0.75
+HIGH_WATER = 0.875   # `evict_aside` evicts once the memory holds more than this share of its bound
 
 
 def _positive_int(value, name: str) -> int:
@@ -115,6 +117,46 @@ class Memory(Corpus):
             held -= e.tokens.size
         self.evicted += len(gone)
         self._remove(gone)
+
+    def evict_aside(self) -> int:
+        """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
+        the new index outside the lock, so requests reading the memory never wait for the O(bound) rebuild; for a
+        background thread (the vLLM drafter's) to run before a store finds the memory full. Entries stored while
+        it builds are added to the new index before it is swapped in (O(their tokens), under the lock). Returns
+        the entries evicted: 0 when the memory holds at most HIGH_WATER of its bound, or when an entry to keep
+        was removed meanwhile (then nothing changes)."""
+        with self._lock:
+            if self._n_tokens <= HIGH_WATER * self.max_tokens:
+                return 0
+            held, gone = self._n_tokens, set()
+            for e in sorted(self._entries.values(), key=lambda e: (e.last_used, e.accepted, e.added)):
+                if held <= int(LOW_WATER * self.max_tokens):
+                    break
+                gone.add(e.key)
+                held -= e.tokens.size
+            kept = [e for e in self._entries.values() if e.key not in gone]
+            seen, clock = set(self._entries), self.clock
+        index = SuffixIndex(min_match=1, max_match=2**31 - 1)
+        starts = _extend(index, kept)
+        with self._lock:
+            if any(e.key not in self._entries for e in kept):
+                return 0
+            # Stored meanwhile, or stored again (refreshed) after being chosen to go: in the new index too.
+            added = [e for key, e in self._entries.items() if key not in seen or (key in gone and e.last_used > clock)]
+            starts += _extend(index, added)
+            entries = kept + added
+            for e, start in zip(entries, starts):
+                e.start = start
+            evicted = len(self._entries) - len(entries)
+            self._index = index
+            self._entries = {e.key: e for e in entries}
+            self._starts = [e.start for e in entries]
+            self._keys = [e.key for e in entries]
+            self._n_tokens = sum(e.tokens.size for e in entries)
+            self._max_id = max((int(e.tokens.max()) for e in entries), default=-1)
+            self.version += 1
+            self.evicted += evicted
+            return evicted
 
     def _load_keep(self, header: dict, lengths) -> list[bool]:
         """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
@@ -237,6 +279,16 @@ class References(Corpus):
         if self.max_tokens is not None and self._n_tokens > self.max_tokens:
             raise ValueError(f"the loaded references hold {self._n_tokens} tokens, more than max_tokens="
                              f"{self.max_tokens}")
+
+
+def _extend(index: SuffixIndex, entries: list[Entry]) -> list[int]:
+    """Append the entries to index (each followed by SEPARATOR, as `Corpus` lays them out); their start
+    positions."""
+    if not entries:
+        return []
+    base = len(index)
+    index.extend(np.concatenate([np.append(e.tokens, np.int32(SEPARATOR)) for e in entries]))
+    return (base + np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in entries])[:-1]])).tolist()
 
 
 def load_memory(paths, *, max_tokens: int = 1_000_000, vocab_size: int | None = None, missing_ok=()) -> Memory:

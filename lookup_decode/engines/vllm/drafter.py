@@ -24,10 +24,12 @@ So one call does, for all rows at once:
    for a step) stores its whole output later, and that entry replaces the shorter one (`Memory.store`).
 5. retire requests absent for `idle_steps` steps and keep the indexes within `max_index_bytes`.
 
-With `memory_save`, a daemon thread (`_saver`, started by the first call) writes the memory within
-`save_seconds` of an output entering it, and when the engine has made no call for IDLE_SECONDS it stores the
-outputs of the requests still known (the last request of a burst leaves no later call to notice it): vLLM
-force-kills its worker at shutdown, so nothing may wait for the exit. It shares one lock with `propose`.
+A daemon thread (`_keeper`, started by the first call) keeps the slow work off the engine's step: it evicts from
+the memory before a store finds it full (`Memory.evict_aside`: the O(bound) index rebuild outside the lock), and
+with `memory_save` it writes the memory (a snapshot) within `save_seconds` of an output entering it, and when the
+engine has made no call for IDLE_SECONDS it stores the outputs of the requests still known (the last request of a
+burst leaves no later call to notice it): vLLM force-kills its worker at shutdown, so nothing may wait for the
+exit. It shares one lock with `propose`, held only for bookkeeping.
 
 Failures never stop the engine: an exception inside a call is logged once, that step drafts nothing, and the
 drafter starts afresh. Settings: `settings.Settings`. Nothing here imports vLLM at module level.
@@ -205,13 +207,13 @@ class LookupDrafter:
         self._retire_every = max(1, settings.idle_steps // 4)
         self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self.stats = DrafterStats()
-        self._lock = threading.RLock()              # propose and the saver thread
+        self._lock = threading.RLock()              # propose and the keeper thread
         self._unsaved = 0
         self._saved_at = time.monotonic()           # the last write of memory_save (or the start)
         self._called_at = time.monotonic()          # the last propose call
-        self._idle_stored = True                    # the saver stored the known requests since the last call
-        self._saver: threading.Thread | None = None
-        self._wake = threading.Event()              # save_every outputs are waiting: the saver writes now
+        self._idle_stored = True                    # the keeper stored the known requests since the last call
+        self._keeper: threading.Thread | None = None
+        self._wake = threading.Event()              # save_every outputs are waiting: the keeper writes now
         self._logged = False
         self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
         self._fresh()
@@ -256,8 +258,8 @@ class LookupDrafter:
                 self.stats.propose_s += took
                 self.stats.propose_max_s = max(self.stats.propose_max_s, took)
                 self._called_at, self._idle_stored = time.monotonic(), False
-                if self._saver is None and self._persists:
-                    self._start_saver()
+                if self._keeper is None and self.memory is not None:
+                    self._start_keeper()
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM calls this with the target model after building the drafter; there is no model to load."""
@@ -417,21 +419,25 @@ class LookupDrafter:
         self.stats.stored += 1
         self._unsaved += 1
         if self._persists and self._unsaved >= self.settings.save_every:
-            self._wake.set()                        # written by the saver thread, off the engine's step
+            self._wake.set()                        # written by the keeper thread, off the engine's step
 
     @property
     def _persists(self) -> bool:
         return self.memory is not None and bool(self.memory_save) and self.saves
 
-    def _start_saver(self) -> None:
-        self._saver = threading.Thread(target=_saver, args=(weakref.ref(self),), name="lookup_decode-memory",
-                                       daemon=True)
-        self._saver.start()
+    def _start_keeper(self) -> None:
+        self._keeper = threading.Thread(target=_keeper, args=(weakref.ref(self),), name="lookup_decode-memory",
+                                        daemon=True)
+        self._keeper.start()
 
     def _tick(self, now: float) -> None:
-        """The saver's turn: store the known requests' outputs once the engine is idle, and write memory_save when
-        outputs entered the memory and save_seconds passed since the last write (or save_every are waiting).
-        The file is written from a snapshot, outside the lock: propose never waits for a disk."""
+        """The keeper's turn: evict from a nearly full memory aside; with memory_save, store the known requests'
+        outputs once the engine is idle, and write memory_save when outputs entered the memory and save_seconds
+        passed since the last write (or save_every are waiting). The file is written from a snapshot, outside
+        the lock: propose never waits for a disk."""
+        self.memory.evict_aside()                   # takes the memory's lock only to choose and to swap
+        if not self._persists:
+            return
         with self._lock:
             if not self._idle_stored and now - self._called_at >= IDLE_SECONDS:
                 for s in sorted(self.requests.live):
@@ -520,8 +526,8 @@ class LookupDrafter:
         return self.pool.bytes
 
 
-def _saver(ref) -> None:
-    """The memory_save thread's loop (a daemon: it never delays an exit). It holds the drafter only weakly, and a
+def _keeper(ref) -> None:
+    """The memory thread's loop (a daemon: it never delays an exit). It holds the drafter only weakly, and a
     failure is logged (once) and never raised."""
     failed = False
     while True:
