@@ -62,6 +62,12 @@ def test_prior_per_device():
         StepCost(-1.0)
     with pytest.raises(ValueError):
         StepCost(capture_sizes=[0, 4])
+    late = StepCost.for_device("cuda")                 # vLLM settles its graph sizes after the drafter is built
+    late.observe(10, 0.01)
+    late.use_capture_sizes([8, 16])
+    assert late.sizes == (8, 16) and late.observed == 0 and late.padded(9) == 16
+    late.use_capture_sizes(None)
+    assert late.sizes == () and late.padded(9) == 9
 
 
 def test_padded_buckets_make_in_bucket_tokens_free():

@@ -72,9 +72,14 @@ class StepCost:
         self.bucket_weight = float(bucket_weight)
         # Weighted sums of 1, u, p, y, uu, pp, up, uy, py (u: padded tokens, p: prefill tokens, y: seconds).
         # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
+        self.use_capture_sizes(capture_sizes)
+
+    def use_capture_sizes(self, capture_sizes) -> None:
+        """Start over with these graph sizes (None: no graphs). vLLM settles its sizes only when it captures the
+        graphs, after the drafter is built, so the drafter hands them over at its first step."""
         self.sums = [0.0] * 9
         self.observed = 0
-        self.sizes = _check_sizes(capture_sizes) if capture_sizes is not None else ()
+        self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
         # Per graph size: weight, seconds and prefill tokens, stored divided by `_scale` (= forget ** steps) so that
         # forgetting all of them is one multiplication.
         self._bucket = np.zeros((3, len(self.sizes)))
