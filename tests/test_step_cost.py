@@ -155,3 +155,12 @@ def test_choose_edge_cases():
     assert cost.choose(np.zeros((0, 4)), np.zeros(0, np.int64)).shape == (0,)
     assert cost.choose(np.array([[0.9, 0.8], [0.1, 0.05]]), np.array([2, 2])).tolist() == [2, 0]
     assert cost.choose(np.array([[0.9, 0.8]]), np.array([0])).tolist() == [0]
+
+
+def test_a_step_that_prefills_anyway_drafts_more():
+    """Prompt tokens in the same step raise its cost whatever is drafted, so a draft token adds relatively less."""
+    cost = StepCost(0.5)
+    _steps(cost, 0.05, 0.05, 0.001, prefill_share=0.5)     # a token costs as much as the fixed part
+    p, available = np.array([[0.5, 0.4, 0.3]]), np.array([3])
+    alone, beside = cost.choose(p, available), cost.choose(p, available, prefill_tokens=200)
+    assert alone.sum() < beside.sum() == 3
