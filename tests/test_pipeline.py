@@ -237,8 +237,8 @@ def test_ray_actor_pool_exact_through_a_killed_actor(tmp_path, model_dir, refere
 
 def test_ray_actors_ask_for_the_gpus_their_engine_needs():
     """`--engine vllm --ray`: each actor asks Ray for tensor_parallel_size GPUs where the cluster has GPUs, none on
-    a CPU cluster or for the transformers engine (it runs on the CPU); --gpus-per-actor overrides; GPUs the
-    cluster lacks are refused before Ray would wait for them forever."""
+    a CPU cluster or for the transformers engine (it runs on the CPU); --gpus-per-actor is taken as given; an
+    engine wider than the cluster is refused before Ray would wait for its GPUs forever."""
     from lookup_decode.engines.batch.job import actor_resources
     vllm = Job(engine="vllm")
     assert actor_resources(vllm, 0) == {"num_cpus": 1, "num_gpus": 0}
@@ -247,9 +247,9 @@ def test_ray_actors_ask_for_the_gpus_their_engine_needs():
     assert actor_resources(Job(), 8)["num_gpus"] == 0
     assert actor_resources(Job(engine="vllm", gpus_per_actor=0.5), 1)["num_gpus"] == 0.5
     assert actor_resources(Job(engine="vllm", gpus_per_actor=0), 8)["num_gpus"] == 0
-    for job_, gpus in ((Job(engine="vllm", tensor_parallel_size=4), 2), (Job(engine="vllm", gpus_per_actor=1), 0)):
-        with pytest.raises(RuntimeError, match="the Ray cluster has"):
-            actor_resources(job_, gpus)
+    assert actor_resources(Job(engine="vllm", gpus_per_actor=1), 0)["num_gpus"] == 1    # autoscaling: as given
+    with pytest.raises(RuntimeError, match="the Ray cluster has 2"):
+        actor_resources(Job(engine="vllm", tensor_parallel_size=4), 2)
 
 
 def test_gpus_per_actor_reaches_the_job(monkeypatch, tmp_path):

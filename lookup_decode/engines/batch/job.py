@@ -173,21 +173,19 @@ def actor_resources(job: Job, cluster_gpus: float) -> dict:
 
     One CPU each. GPUs: the transformers engine runs on the CPU (none); a vLLM engine needs
     tensor_parallel_size of them where the cluster has GPUs (cluster_gpus: `ray.cluster_resources()["GPU"]`),
-    none on a CPU-only cluster (vLLM's CPU build). `job.gpus_per_actor` overrides that (a fraction packs several
-    engines per GPU; each then needs its own --kv-cache-bytes), and asking for GPUs a cluster does not have is
-    a RuntimeError: Ray would wait for them forever.
+    none on a CPU-only cluster (vLLM's CPU build). Fewer GPUs than one engine needs is a RuntimeError: Ray would
+    wait for them forever. `job.gpus_per_actor` is taken as given (a fraction packs several engines per GPU, each
+    then with its own --kv-cache-bytes; an autoscaling cluster may not show its GPU nodes yet).
 
     Example: --engine vllm --tensor-parallel-size 2 on a cluster with 8 GPUs -> {"num_cpus": 1, "num_gpus": 2}.
     """
     if job.gpus_per_actor is not None:
         gpus = float(job.gpus_per_actor)
-        if gpus > cluster_gpus:
-            raise RuntimeError(f"--gpus-per-actor {job.gpus_per_actor:g}: the Ray cluster has {cluster_gpus:g} GPUs")
     elif job.engine == "vllm" and cluster_gpus > 0:
         gpus = float(job.tensor_parallel_size)
         if gpus > cluster_gpus:
             raise RuntimeError(f"--tensor-parallel-size {job.tensor_parallel_size} needs {gpus:g} GPUs per actor; "
-                               f"the Ray cluster has {cluster_gpus:g}")
+                               f"the Ray cluster has {cluster_gpus:g} (--gpus-per-actor asks for them anyway)")
     else:
         gpus = 0.0
     return {"num_cpus": 1, "num_gpus": gpus}
