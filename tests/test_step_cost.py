@@ -90,9 +90,9 @@ def test_buckets_learn_a_bend_the_line_cannot():
     cost = StepCost.for_device("cuda", capture_sizes=sizes, forget=0.999)     # ~1000 steps' memory
     for n in itertools.islice(itertools.cycle(range(1, 65)), 3000):
         cost.observe(n, 0.01 if cost.padded(n) <= 16 else 0.01 + 0.001 * (cost.padded(n) - 16))
-    # Each size's mean is shrunk toward a line that fits this bend badly: within 10%.
-    assert cost.seconds(16) == pytest.approx(0.01, rel=0.1)
-    assert cost.seconds(64) == pytest.approx(0.058, rel=0.1)
+    # Each size's mean is shrunk toward a line that fits this bend badly (by bucket_weight / its steps): 15%.
+    assert cost.seconds(16) == pytest.approx(0.01, rel=0.15)
+    assert cost.seconds(64) == pytest.approx(0.058, rel=0.05)
     assert cost.seconds(8) <= cost.seconds(16) <= cost.seconds(32) <= cost.seconds(64)
 
 
@@ -164,3 +164,17 @@ def test_a_step_that_prefills_anyway_drafts_more():
     p, available = np.array([[0.5, 0.4, 0.3]]), np.array([3])
     alone, beside = cost.choose(p, available), cost.choose(p, available, prefill_tokens=200)
     assert alone.sum() < beside.sum() == 3
+
+
+def test_stalled_steps_weigh_less():
+    """One step in ten stalls (5x its seconds: another process, a collection): the fit still finds the terms."""
+    rng = np.random.default_rng(3)
+    cost = StepCost(0.5)
+    for _ in range(600):
+        tokens, prefill = int(rng.integers(1, 60)), int(rng.integers(16, 256)) if rng.random() < 0.5 else 0
+        y = (0.05 + 0.002 * (tokens + prefill) - 0.0005 * prefill) * (1 + 0.02 * rng.standard_normal())
+        cost.observe(tokens, y * (5 if rng.random() < 0.1 else 1), prefill_tokens=prefill)
+    fixed, per_token, per_prefill = cost.terms
+    assert cost.token_cost == pytest.approx(0.04, rel=0.1)
+    assert per_prefill == pytest.approx(-0.0005, rel=0.2)     # a prompt token cheaper than a verified one
+    assert per_token + per_prefill > 0

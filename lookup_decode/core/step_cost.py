@@ -23,6 +23,8 @@ from numba import njit
 DEVICE_TOKEN_COST = {"cpu": 11.6 / 103, "cuda": 0.032 / 7}
 # Other accelerators (xpu, tpu, hpu, ...) decode memory-bound like a GPU: they take the cuda prior.
 ACCELERATOR_KIND = "cuda"
+ROBUST = 3.0              # a step whose residual exceeds this many typical ones weighs typical x ROBUST / residual
+ROBUST_AFTER = 8          # steps observed before residuals are judged (the first ones set what is typical)
 
 
 def device_token_cost(kind: str) -> float:
@@ -46,11 +48,13 @@ class StepCost:
 
     tokens: the step's verified tokens (each decoding row's one token plus the draft it was sent); prefill: the
     prompt tokens of rows prefilling in the same step (a second regressor, so mixed steps teach the fit instead of
-    being dropped; per_prefill is what a prompt token costs beyond a verified one, >= 0). padded(n) is n without
+    being dropped; per_prefill is what a prompt token costs beyond a verified one, negative where it costs less,
+never below nothing). padded(n) is n without
     `capture_sizes`; with them (vLLM's CUDA graph sizes) the smallest size >= n, or n above the largest (eager).
 
     The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own work
-    included). An exponentially weighted least-squares fit with forgetting gives the terms; until the observed
+    included). An exponentially weighted least-squares fit with forgetting gives the terms, steps far off the
+    model (stalls) weighing less; until the observed
     steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. With capture sizes every
     graph size also keeps its own mean seconds, shrunk toward the line, so the curve can bend where the forward
     turns compute-bound. Example: steps of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms,
@@ -79,6 +83,7 @@ class StepCost:
         # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
         self.sums = [0.0] * 9
         self.observed = 0
+        self._typical = 0.0                         # a typical |seconds - modelled seconds| (observe's weights)
         self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
         # Per graph size: weight, seconds and prefill tokens, stored divided by `_scale` (= forget ** steps) so that
         # forgetting all of them is one multiplication.
@@ -108,19 +113,34 @@ class StepCost:
             return
         n = tokens + prefill_tokens
         u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
+        # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
+        # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
+        # clipped residuals. A graph size's own mean takes every step at full weight: that is where a bend the
+        # line cannot follow is learned.
+        a = 1.0
+        terms = self.terms if self.observed >= ROBUST_AFTER else None
+        if terms is not None:
+            predicted = terms[0] + terms[1] * u + terms[2] * p
+            r = abs(y - predicted)
+            typical = max(self._typical, 1e-3 * predicted)
+            a = min(1.0, ROBUST * typical / r) if r > 0 else 1.0
+            self._typical = f * self._typical + (1 - f) * min(r, ROBUST * typical)
+        elif self.observed:
+            self._typical = f * self._typical + (1 - f) * abs(y - self.sums[3] / self.sums[0])
         w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
-        self.sums = [w * f + 1.0, su * f + u, sp * f + p, sy * f + y, suu * f + u * u, spp * f + p * p,
-                     sup * f + u * p, suy * f + u * y, spy * f + p * y]
+        self.sums = [w * f + a, su * f + a * u, sp * f + a * p, sy * f + a * y, suu * f + a * u * u,
+                     spp * f + a * p * p, sup * f + a * u * p, suy * f + a * u * y, spy * f + a * p * y]
         self.observed += 1
-        if self.sizes and n <= self.sizes[-1]:
-            self._scale *= f
+        if self.sizes:
+            self._scale *= f                        # every step forgets every graph size's mean
             if self._scale < 1e-100:                # renormalize before the stored sums overflow
                 self._bucket *= self._scale
                 self._scale = 1.0
-            b = bisect.bisect_left(self.sizes, n)
-            self._bucket[0, b] += 1.0 / self._scale
-            self._bucket[1, b] += y / self._scale
-            self._bucket[2, b] += p / self._scale
+            if n <= self.sizes[-1]:
+                b = bisect.bisect_left(self.sizes, n)
+                self._bucket[0, b] += 1.0 / self._scale
+                self._bucket[1, b] += y / self._scale
+                self._bucket[2, b] += p / self._scale
 
     def _fit(self):
         """(per_token / fixed blended with the prior, per_prefill, trust) or None while no line fits."""
@@ -141,7 +161,7 @@ class StepCost:
         # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
         # tokens say nothing about the slope.
         trust = spread / (spread + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior, max(extra, 0.0), trust
+        return trust * slope / fixed + (1 - trust) * self.prior, extra, trust
 
     def _model(self):
         """(token_cost, terms, each graph size's modelled seconds / fixed or None), once per observed step."""
@@ -154,6 +174,9 @@ class StepCost:
         if w > 0 and sy > 0:
             # The fixed part that the blended slope implies: sum(y) - extra sum(p) = fixed (w + c sum(u)).
             fixed = (sy - extra * sp) / (w + c * su)
+            if extra < -c * fixed:                  # a prompt token costs at least nothing: extra = -c fixed
+                fixed = sy / (w + c * (su - sp))
+                extra = -c * fixed
             terms = (fixed, c * fixed, extra)
         table = None
         if self.sizes:
@@ -215,7 +238,7 @@ class StepCost:
         cost = self._curve(r + int(prefill_tokens), r * k)
         if prefill_tokens:
             terms = self.terms
-            if terms is not None and terms[2] > 0:
+            if terms is not None and terms[2]:
                 cost += terms[2] / terms[0] * prefill_tokens
         _choose(p_kept, np.asarray(available, np.int64), cost, out)
         return out
