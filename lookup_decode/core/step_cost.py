@@ -25,6 +25,8 @@ DEVICE_TOKEN_COST = {"cpu": 11.6 / 103, "cuda": 0.032 / 7}
 ACCELERATOR_KIND = "cuda"
 ROBUST = 3.0              # a step whose residual exceeds this many typical ones weighs typical x ROBUST / residual
 ROBUST_AFTER = 8          # steps observed before residuals are judged (the first ones set what is typical)
+PREFILL_PRIOR = 64.0      # prefill spread (weighted squared token deviations) that the prior "a prompt token costs
+                          # what a verified one does" is worth in the fit
 
 
 def device_token_cost(kind: str) -> float:
@@ -149,10 +151,13 @@ never below nothing). padded(n) is n without
             return None
         cuu, cpp, cup = suu - su * su / w, spp - sp * sp / w, sup - su * sp / w
         cuy, cpy = suy - su * sy / w, spy - sp * sy / w
-        det = cuu * cpp - cup * cup
-        if cpp > 1e-9 and det > 1e-9 * max(cuu * cpp, 1e-300):
+        if cpp > 1e-9:
+            # Ridge on `extra`, toward a prompt token costing what a verified one does: where the verified tokens
+            # barely vary (a loaded server sending few drafts) the prefill chunks still show the slope.
+            cpp += PREFILL_PRIOR
+            det = cuu * cpp - cup * cup
             slope, extra = (cuy * cpp - cpy * cup) / det, (cpy * cuu - cuy * cup) / det
-            spread = det / cpp                      # the spread of tokens that prefill does not explain
+            spread = det / cpp                      # the spread of tokens the prefill term does not take up
         else:                                       # prefill never varied: its term folds into the fixed part
             slope, extra, spread = (cuy / cuu if cuu > 1e-9 else 0.0), 0.0, cuu
         fixed = (sy - slope * su - extra * sp) / w
