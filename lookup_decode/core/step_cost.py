@@ -126,9 +126,11 @@ never below nothing). padded(n) is n without
             r = abs(y - predicted)
             typical = max(self._typical, 1e-3 * predicted)
             a = min(1.0, ROBUST * typical / r) if r > 0 else 1.0
-            self._typical = f * self._typical + (1 - f) * min(r, ROBUST * typical)
+            g = max(1 - f, 1 / (self.observed + 1))     # a running mean at first, then forgetting as the fit
+            self._typical = (1 - g) * self._typical + g * min(r, ROBUST * typical)
         elif self.observed:
-            self._typical = f * self._typical + (1 - f) * abs(y - self.sums[3] / self.sums[0])
+            g = max(1 - f, 1 / (self.observed + 1))
+            self._typical = (1 - g) * self._typical + g * abs(y - self.sums[3] / self.sums[0])
         w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
         self.sums = [w * f + a, su * f + a * u, sp * f + a * p, sy * f + a * y, suu * f + a * u * u,
                      spp * f + a * p * p, sup * f + a * u * p, suy * f + a * u * y, spy * f + a * p * y]
