@@ -25,6 +25,7 @@ from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import eos_ids
 
 LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-dominated
+CALIBRATION_MIN_TOKENS = 50   # a calibration bin with fewer tokens is too noisy to judge (`Calibration.error`)
 
 
 # ------------------------------------------------------------------------------ running variants
@@ -236,6 +237,8 @@ def measure(model, prompts, variants: list[Variant], max_new_tokens: int, repeat
 
 
 def compare(measured: list[dict[str, Run]], name: str) -> dict:
+    """Variant `name` against plain over the measured prompts: speed-ups, identical outputs, acceptance and the
+    acceptance model's calibration (stats of every prompt's run merged)."""
     pairs = [((len(m["plain"].tokens), m["plain"].seconds), (len(m[name].tokens), m[name].seconds)) for m in measured]
     ratios = [speedup(b, o) for b, o in pairs]
     loops = [loop_score(m["plain"].tokens) > LOOP_THRESHOLD for m in measured]
@@ -248,4 +251,8 @@ def compare(measured: list[dict[str, Run]], name: str) -> dict:
             "speedup_without_loops": spread(clean), "loop_dominated": sum(loops),
             "identical": sum(m[name].tokens == m["plain"].tokens for m in measured), "n": len(measured),
             "tokens_per_second": spread(m[name].tokens_per_second for m in measured),
-            "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
+            "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
+            # the acceptance model's reliability table over all prompts: per bin of predicted probability, the
+            # draft tokens sent, their mean prediction and the share kept (`DecodeStats.calibration`)
+            "calibration": [r._asdict() for r in stats.calibration()],
+            "calibration_error": stats.reliability.error(CALIBRATION_MIN_TOKENS)}

@@ -233,3 +233,39 @@ def test_ray_actor_pool_exact_through_a_killed_actor(tmp_path, model_dir, refere
     workers = {r["worker"] for r in records if "worker" in r}
     assert len(workers) >= 2                                    # both actors (or an actor and its restart) ran
     assert f"{socket.gethostname()}:{killed['pid']}" in workers
+
+
+def test_ray_actors_ask_for_the_gpus_their_engine_needs():
+    """`--engine vllm --ray`: each actor asks Ray for tensor_parallel_size GPUs where the cluster has GPUs, none on
+    a CPU cluster or for the transformers engine (it runs on the CPU); --gpus-per-actor is taken as given; an
+    engine wider than the cluster is refused before Ray would wait for its GPUs forever."""
+    from lookup_decode.engines.batch.job import actor_resources
+    vllm = Job(engine="vllm")
+    assert actor_resources(vllm, 0) == {"num_cpus": 1, "num_gpus": 0}
+    assert actor_resources(vllm, 8) == {"num_cpus": 1, "num_gpus": 1}
+    assert actor_resources(Job(engine="vllm", tensor_parallel_size=4), 8)["num_gpus"] == 4
+    assert actor_resources(Job(), 8)["num_gpus"] == 0
+    assert actor_resources(Job(engine="vllm", gpus_per_actor=0.5), 1)["num_gpus"] == 0.5
+    assert actor_resources(Job(engine="vllm", gpus_per_actor=0), 8)["num_gpus"] == 0
+    assert actor_resources(Job(engine="vllm", gpus_per_actor=1), 0)["num_gpus"] == 1    # autoscaling: as given
+    with pytest.raises(RuntimeError, match="the Ray cluster has 2"):
+        actor_resources(Job(engine="vllm", tensor_parallel_size=4), 2)
+
+
+def test_gpus_per_actor_reaches_the_job(monkeypatch, tmp_path):
+    from lookup_decode.cli import commands
+    from lookup_decode.engines.batch import job as job_module
+    from lookup_decode.engines.batch import vllm as batch_vllm
+    seen = []
+    monkeypatch.setattr(job_module, "run", lambda job, *a, **kw: seen.append((job, kw)) or job_module.Summary())
+    monkeypatch.setattr(batch_vllm, "check_job", lambda job: None)
+    args = ["run", "--input", "x", "--output", "y", "--engine", "vllm", "--model", str(tmp_path), "--ray",
+            "--tensor-parallel-size", "2"]
+    assert commands.main(args) == 0
+    assert seen[-1][0].gpus_per_actor is None and seen[-1][0].tensor_parallel_size == 2 and seen[-1][1]["use_ray"]
+    assert commands.main(args + ["--gpus-per-actor", "0.5"]) == 0
+    assert seen[-1][0].gpus_per_actor == 0.5
+    with pytest.raises(SystemExit, match="--gpus-per-actor must be >= 0"):
+        commands.main(args + ["--gpus-per-actor", "-1"])
+    with pytest.raises(SystemExit, match="--gpus-per-actor is an option of --engine vllm"):
+        commands.main(["run", "--input", "x", "--output", "y", "--gpus-per-actor", "1"])

