@@ -158,14 +158,14 @@ def test_sent_lengths_are_the_best_for_the_learned_step_cost():
 def test_stands_down_where_drafts_do_not_pay():
     """Chat-like requests (little to copy) on a step whose tokens are dear: almost nothing is drafted, while
     the same requests on a flat-cost engine (a GPU) keep drafting what the index offers."""
-    def run(seconds):
+    def run(seconds, device):
         requests = _requests(seed=4, n=16, copy=False)
-        drafter = _drafter(8)
+        drafter = _drafter(8, device=device)
         runner = SimRunner(drafter, max_num_reqs=8, seed=4, step_seconds=seconds)
         drafter.clock = runner.clock
         runner.run(requests)
         return drafter.stats
-    dear, flat = run(lambda n: 0.05 + 0.01 * n), run(lambda n: 0.05 + 1e-6 * n)
+    dear, flat = run(lambda n: 0.05 + 0.01 * n, "cpu"), run(lambda n: 0.05 + 1e-6 * n, "cuda")
     assert dear.drafted < 0.25 * flat.drafted and flat.drafted > 100
 
 
@@ -545,10 +545,11 @@ def test_memory_false_turns_the_memory_off_and_the_default_is_on(clean_env):
     assert drafter.stats.stored == 0 and drafter.stats.accepted > 0
 
 
-def test_draft_cost_default_is_the_step_costs_own_prior():
-    from lookup_decode.core.step_cost import StepCost
+def test_draft_cost_default_is_the_devices_prior():
+    from lookup_decode.core.step_cost import device_token_cost
     assert lv.Settings().draft_cost is None
-    assert _drafter(8).cost.token_cost == StepCost().token_cost
+    assert _drafter(8).cost.token_cost == device_token_cost("cpu")
+    assert _drafter(8, device="cuda").cost.token_cost == device_token_cost("cuda") < device_token_cost("cpu")
     assert _drafter(8, lv.Settings(draft_cost=0.3)).cost.token_cost == 0.3
 
 

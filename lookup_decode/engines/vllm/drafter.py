@@ -14,7 +14,7 @@ So one call does, for all rows at once:
    extend its index by the new tokens, draft from the request itself and the shared corpora (session memory,
    reference documents: the longest match wins, as in `generate`), and price each draft token by its
    probability of being kept;
-3. choose how many tokens of each draft to send (`policy.ragged_lengths`): those that pay for their place in
+3. choose how many tokens of each draft to send (`StepCost.choose`): those that pay for their place in
    the step, the cost of a token being learned from the time between calls (`step_cost.StepCost`), since vLLM calls
    once per step;
 4. keep the memory of outputs (`sources.memory.Memory`, on unless `memory: false`): a request's output enters it
@@ -53,7 +53,6 @@ from pathlib import Path
 import numpy as np
 
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.core.policy import ragged_lengths
 from lookup_decode.core.pool import IndexPool
 from lookup_decode.core.stats import Calibration
 from lookup_decode.core.step_cost import StepCost
@@ -162,9 +161,13 @@ class LookupDrafter:
         settings = Settings.from_sources(getattr(vllm_config, "additional_config", None))
         eos = settings.eos if settings.eos is not None else eos_ids(getattr(model_config, "hf_config", None))
         tp_rank, dp_rank, dp_size = _ranks(vllm_config)
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
         self._setup(settings, spec.num_speculative_tokens, getattr(model_config, "max_model_len", None),
                     _vocab_size(vllm_config), eos, tokenizer_name=getattr(model_config, "tokenizer", None),
-                    saves=tp_rank == 0, replica=(dp_rank, dp_size))
+                    saves=tp_rank == 0, replica=(dp_rank, dp_size), device=device)
+        # vLLM settles its CUDA graph sizes when it captures them, after building the drafter: read at the first step.
+        self._graphs = getattr(vllm_config, "compilation_config", None) if device != "cpu" else None
+        self._budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()
@@ -173,17 +176,17 @@ class LookupDrafter:
     @classmethod
     def from_settings(cls, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
                       vocab_size: int | None = None, eos_token_ids=(), memory: Memory | None = None,
-                      references: References | None = None, tokenizer=None) -> "LookupDrafter":
+                      references: References | None = None, tokenizer=None, device: str = "cpu") -> "LookupDrafter":
         """A drafter without a vLLM config (tests, benchmarks); memory/references objects may be passed
         directly instead of files."""
         self = cls.__new__(cls)
         self._setup(settings, num_speculative_tokens, max_model_len, vocab_size, tuple(eos_token_ids),
-                    memory=memory, references=references, tokenizer=tokenizer)
+                    memory=memory, references=references, tokenizer=tokenizer, device=device)
         return self
 
     def _setup(self, settings: Settings, num_speculative_tokens, max_model_len, vocab_size, eos, *, memory=None,
                references=None, tokenizer=None, tokenizer_name=None, saves: bool = True,
-               replica: tuple[int, int] = (0, 1)) -> None:
+               replica: tuple[int, int] = (0, 1), device: str = "cpu") -> None:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, (int, np.integer)) \
                 or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an int >= 1 for lookup_decode's drafter, "
@@ -205,7 +208,9 @@ class LookupDrafter:
         for corpus in self.corpora:                 # a foreign memory file fails here, not while serving
             if vocab_size is not None:
                 corpus.check_vocab(vocab_size, "the engine's model")
-        self.cost = StepCost(settings.draft_cost) if settings.draft_cost is not None else StepCost()
+        self.cost = StepCost.for_device(device, prior_token_cost=settings.draft_cost)
+        self._graphs = None                         # the engine's compilation_config until its graph sizes are read
+        self._budget = None                         # the scheduler's token budget per step (None: unknown)
         self._retire_every = max(1, settings.idle_steps // 4)
         self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self.stats = DrafterStats()
@@ -282,10 +287,17 @@ class LookupDrafter:
         if self.max_model_len is not None:
             rows = rows[counts[rows] < self.max_model_len]
         claim = self.requests.claim(matrix, rows, counts[rows], emitted[rows], self._call, self._admit)
-        if self._last is not None and claim.built == claim.continued == 0 and emitted.all() and len(rows):
-            # A step of decoding rows only, right after the previous call: its time is that step's cost, and it
-            # verified each row's token and the draft it was sent (rows that finished before it are not here).
-            self.cost.observe(len(rows) + int(self.requests.sent[claim.slots].sum()), now - self._last)
+        if self._graphs is not None:
+            self._read_graph_sizes()
+        if self._last is not None and claim.continued == 0 and len(rows):
+            # A step right after the previous call: its time is that step's cost. It verified each row's token and
+            # the draft it was sent (rows that finished before it are not here), beside the prompt chunks of rows
+            # still prefilling (no token yet) and of rows whose prefill ended in it (fresh slots).
+            verified = len(rows) + int(self.requests.sent[claim.slots].sum())
+            prefill = int(counts[emitted == 0].sum()) + int((counts[rows][claim.starts == 0] - 1).sum())
+            if self._budget is not None:            # chunked: a step's chunks fill at most the budget
+                prefill = max(0, min(prefill, int(self._budget) - verified))
+            self.cost.observe(verified, now - self._last, prefill_tokens=prefill)
         placed = self._within_bound(claim, counts[rows])
         if self.memory is not None:
             self._store_finished(matrix, rows[placed], claim.slots[placed], counts[rows][placed])
@@ -300,8 +312,7 @@ class LookupDrafter:
         self.requests.file(matrix, rows, slots, ends, self._call)
         self._learned(step, slots)
         # Not adaptive: everything the index proposes, up to k (vLLM's n-gram rule).
-        lengths = ragged_lengths(step.p_kept, step.lengths, self.cost.token_cost) if self.settings.adaptive \
-            else step.lengths
+        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
         drafts: list[list[int]] = [[] for _ in range(B)]
         if lengths.any():
             # One host list of every token sent, cut per row: vLLM wants list[list[int]].
@@ -328,6 +339,13 @@ class LookupDrafter:
         if self.settings.reload_every and self._call % self.settings.reload_every == 0:
             self.reload_memory()
         return drafts
+
+    def _read_graph_sizes(self) -> None:
+        """The engine's CUDA graph sizes, once settled (a step runs padded to the next one): to the step cost."""
+        cc, self._graphs = self._graphs, None
+        mode = getattr(cc, "cudagraph_mode", None)
+        if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
+            self.cost.use_capture_sizes(getattr(cc, "cudagraph_capture_sizes", None))
 
     def _learned(self, step, slots: np.ndarray) -> None:
         """What the engine kept of the last drafts: statistics, calibration, and credit to the corpus entries

@@ -32,7 +32,7 @@ class Settings:
         kept against what a token costs the step, learned from the time between the drafter's calls);
         False: every token the index proposes, up to k (vLLM's n-gram proposer's rule).
     draft_cost: what one more token costs a step, relative to the step's fixed part, before any step was
-        timed (adaptive only: the prior of the learned cost); None: the step cost's own prior for the device.
+        timed (adaptive only: the prior of the learned cost); None: the device's (`StepCost.for_device`).
     memory: the engine keeps a memory of its requests' outputs (on by default: every output enters it when its
         request finishes, and every later or concurrent request drafts from it). A string: memory file(s) to
         load at start (os.pathsep-separated; glob patterns allowed, e.g. every replica's `/shared/mem-*.npz`),
