@@ -3,17 +3,19 @@
 An engine that runs its own loop (vLLM) asks once per step for a draft for every row of its batch. Per row
 that is an index extend, a draft and a policy update: microseconds of work, but tens of microseconds of
 Python per row around it, on a path the engine runs serially. The pool keeps every request's automaton in
-shared arenas (one array per buffer kind, each request a region of it) and its acceptance counts (the model
-of `policy.DraftPolicy`) in arrays indexed by slot, so `step` is one numba call over all rows:
+shared arenas (one array per buffer kind, each request a region of it), the acceptance model's pooled counts
+(`core.acceptance`, one pool for all slots) and each slot's request state, so `step` is one numba call over all
+rows:
 
-    for each row: learn from the tokens emitted since its last draft (the kept prefix of that draft),
-                  extend its index by them, follow them over the shared corpora,
+    for each row: learn from the tokens emitted since its last draft (the kept prefix of that draft);
+    then for each row: extend its index by them, follow them over the shared corpora,
                   draft the longest match's continuation (the rule of `sources.proposer.SourcesProposer`),
-                  and give each draft token's probability of being kept.
+                  and give each draft token's probability of being kept (`acceptance.predict`).
 
-Drafts, match lengths and acceptance counts are those of `SuffixIndex`, `SourcesProposer` and `DraftPolicy`
-for the same token stream (tested against them); how many tokens of each draft to send is the caller's
-choice (`policy.ragged_lengths`).
+Learning every row before drafting any is the order of `core.decode.step` (all rows observe, then all propose), so
+drafts, match lengths and probabilities are those of `SuffixIndex`, `SourcesProposer` and one `DraftPolicy` for
+the same token streams (tested against them); how many tokens of each draft to send is the caller's choice
+(`policy.ragged_lengths`).
 
 Arenas: a slot with room for c tokens owns c token ids, 4 x (2c + 2) state ints, 3 x (3c + 4) edge ints and a
 hash table of the smallest power of two >= 2 (3c + 4) slots (the layout of `SuffixIndex`). Regions are carved
@@ -28,17 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
-from lookup_decode.core.config import check_match
+from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match
 from lookup_decode.core.index import MAX_TOKENS, SuffixIndex
-from lookup_decode.core.policy import _FORGET, _N_BUCKETS, prior_counts
-from lookup_decode.core.tokens import as_token_array
+from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
-SEPARATOR = 2**31 - 1              # between a corpus's entries (`sources.corpus`): drafts stop there
-CURSOR_TAIL = 256                  # most tokens a corpus cursor re-walks after its corpus changed (as `Cursor`)
-SHARED_WEIGHT = 16.0               # the replay prior against the observations of all slots (shared_prior)
-SHARED_FORGET = 0.999              # per observation: the shared prior follows the last few thousand
 
 
 def _layout(cap: int) -> tuple[int, int, int]:
@@ -55,15 +53,13 @@ class IndexPool:
         min_match, max_match, eos_token_ids, resync_window: as for `SuffixIndex`.
         corpus_min_match, alone_min_match: the corpus rule of `SourcesProposer` (a corpus draft needs this
             match while the request has a draft of its own / when it has none).
-        first_prior_factor: as for `DraftPolicy`.
-        shared_prior: a new slot starts from the acceptance all slots observed lately (per match-length bucket,
-            the replay prior weighing as SHARED_WEIGHT observations against them), still worth _PRIOR_WEIGHT
-            observations of its own; False: from the replay prior, as `DraftPolicy` does (the parity tests).
+        shared_prior: ignored (kept while engines pass it): the acceptance counts are always pooled over every
+            slot, and a new slot deviates from them by its own evidence (`core.acceptance`).
     """
 
     def __init__(self, k: int, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), resync_window: int = 64,
-                 corpus_min_match: int = 4, alone_min_match: int = 2, first_prior_factor: float | None = None,
-                 shared_prior: bool = False):
+                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
+                 shared_prior: bool | None = None):
         self.k = int(k)
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
@@ -71,10 +67,7 @@ class IndexPool:
         self.window = int(resync_window)
         self.corpus_min_match = min(max(self.min_match, corpus_min_match), self.max_match)
         self.alone_min_match = min(max(self.min_match, alone_min_match), self.corpus_min_match)
-        self.first0, self.later0 = prior_counts(first_prior_factor)
-        self.shared_prior = shared_prior
-        # Every slot's observations, decayed by SHARED_FORGET per observation: [bucket, (kept, tried)].
-        self.seen_first, self.seen_later = np.zeros((_N_BUCKETS, 2)), np.zeros((_N_BUCKETS, 2))
+        self.counts = A.new_counts()                        # the acceptance model's pool, every slot's evidence
         self.slots = 0                                      # slots ever allocated (arrays hold this many rows)
         self.free: list[int] = []
         self.meta = None
@@ -97,9 +90,11 @@ class IndexPool:
         k = max(self.k, 1)
         spec = {"meta": ((K.META_SIZE,), np.int64, 0),
                 "cap": ((), np.int64, 0), "off": ((4,), np.int64, 0),     # room in tokens; offsets in tok/st/ed/hash
-                "first": ((_N_BUCKETS, 2), np.float64, 0.0), "later": ((_N_BUCKETS, 2), np.float64, 0.0),
+                "request": ((A.REQUEST_SIZE,), np.float64, 0.0),          # its acceptance deviation, copy rate
                 "prev": ((k,), np.int32, 0),                              # each slot's last full draft
                 "prev_len": ((), np.int64, 0), "prev_match": ((), np.int64, 0),
+                "prev_branched": ((), np.int64, 0),                       # its match had branched
+                "prev_temp": ((), np.float64, 0.0),                       # the row's temperature then
                 "prev_src": ((), np.int64, 0),                            # 0: the request; 1 + c: corpus c
                 "prev_end": ((), np.int64, -1),                           # corpus position the draft copied after
                 "prev_ver": ((), np.int64, -1),                           # that corpus's version then
@@ -113,7 +108,7 @@ class IndexPool:
             setattr(self, name, new)
 
     def add(self, n_tokens: int = 0) -> int:
-        """A new slot with room for n_tokens (an index over nothing, prior acceptance counts); returns its number."""
+        """A new slot with room for n_tokens (an index over nothing, no evidence of its own); returns its number."""
         if self.free:
             s = self.free.pop()
         else:
@@ -124,21 +119,11 @@ class IndexPool:
         while cap < n_tokens:
             cap *= 2
         self._place(s, min(cap, max(MAX_TOKENS, int(n_tokens))), keep=False)
-        self.first[s], self.later[s] = self.prior()
+        self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
         self.cursor[s] = SuffixIndex.new_cursor()
         self.cursor_ver[s] = -1
         return s
-
-    def prior(self) -> tuple[np.ndarray, np.ndarray]:
-        """The acceptance counts a new slot starts from (float64 [_N_BUCKETS, 2] each, first and later positions)."""
-        if not self.shared_prior:
-            return self.first0.copy(), self.later0.copy()
-        out = []
-        for prior, seen in ((self.first0, self.seen_first), (self.later0, self.seen_later)):
-            rate = (prior[:, 0] * SHARED_WEIGHT / prior[:, 1] + seen[:, 0]) / (SHARED_WEIGHT + seen[:, 1])
-            out.append(np.stack([rate * prior[:, 1], prior[:, 1]], axis=1))
-        return out[0], out[1]
 
     def remove(self, s: int) -> None:
         """Free slot s (its regions become garbage, reclaimed by the next compaction)."""
@@ -260,7 +245,7 @@ class IndexPool:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-             limits: np.ndarray, learn: np.ndarray, corpora=()) -> "Step":
+             limits: np.ndarray, learn: np.ndarray, corpora=(), temperatures=None) -> "Step":
         """Learn, extend and draft for every row at once (the returned arrays are reused by the next call).
 
         matrix: int32 [R, L], row rows[i] holding its request's tokens; slot slots[i] has indexed
@@ -268,7 +253,8 @@ class IndexPool:
         limits: int [r], the longest draft each row may get (<= k). learn: bool [r], whether the new tokens
         are what the engine emitted after the slot's last draft (False after a step the caller did not see:
         nothing is learned from them). corpora: up to two (SuffixIndex, version) of shared read-only corpora
-        (`Corpus.reading()`), in tie-break order.
+        (`Corpus.reading()`), in tie-break order. temperatures: float [r], each row's sampling temperature
+        (None: all greedy), priced in cells of its own.
         """
         rows, slots = np.asarray(rows, np.int64), np.asarray(slots, np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
@@ -284,18 +270,19 @@ class IndexPool:
         c_arrays, versions = [], np.full(2, -1, np.int64)
         for c, (index, version) in enumerate(list(corpora)[:2]):
             c_arrays.append((index._toks, len(index), index._slen, index._slink, index._sfirst, index._eto,
-                             index._hkey, index._hval))
+                             index._hkey, index._hval, index._shead, index._enext))
             versions[c] = version
         while len(c_arrays) < 2:
-            c_arrays.append((empty_i, 0, empty_i, empty_i, empty_i, empty_i, empty_l, empty_i))
+            c_arrays.append((empty_i, 0, empty_i, empty_i, empty_i, empty_i, empty_l, empty_i, empty_i, empty_i))
+        temps = np.zeros(r) if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
         _step(matrix, rows, slots, starts, ends, np.minimum(np.asarray(limits, np.int64), self.k),
               np.asarray(learn, np.bool_),
               (self.tok, self.st, self.ed, self.hk, self.hv, self.meta, self.cap, self.off),
-              (self.first, self.later, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
-               self.prev_ver, self.seen_first, self.seen_later), (self.cursor, self.cursor_ver),
-              c_arrays[0], c_arrays[1], versions, len(corpora),
+              (self.counts, self.request, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
+               self.prev_ver, self.prev_branched, self.prev_temp), (self.cursor, self.cursor_ver),
+              c_arrays[0], c_arrays[1], versions, len(corpora), temps,
               self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match, self.eos, self.stops,
-              self.window, _FORGET, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
+              self.window, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
         return out
 
 
@@ -306,7 +293,8 @@ class Step:
     lengths: np.ndarray         # int64 [r]
     match: np.ndarray           # int64 [r]: match length behind it (capped at max_match)
     source: np.ndarray          # int64 [r]: 0 the request's own index, 1 + c corpus c
-    p_kept: np.ndarray          # float64 [r, k]: probability that draft token j is kept (all before it kept)
+    p_kept: np.ndarray          # float64 [r, k]: probability that draft token j is kept (all before it kept), 0 past
+                                # the row's length
     kept: np.ndarray            # int64 [r]: tokens of the slot's previous full draft the engine kept (-1: not learned)
     credit: np.ndarray          # int64 [r, 3]: (source, corpus version, position) of the draft `kept` refers to
 
@@ -315,16 +303,6 @@ def _buffers(r: int, k: int) -> Step:
     k = max(k, 1)
     return Step(np.zeros((r, k), np.int32), np.zeros(r, np.int64), np.zeros(r, np.int64), np.zeros(r, np.int64),
                 np.zeros((r, k)), np.full(r, -1, np.int64), np.full((r, 3), -1, np.int64))
-
-
-@njit(cache=True, nogil=True)
-def _bucket(m):
-    b = 0
-    m = max(m, 1)
-    while m > 1:
-        m >>= 1
-        b += 1
-    return min(b, _N_BUCKETS - 1)
 
 
 @njit(cache=True, nogil=True)
@@ -357,41 +335,31 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 @njit(cache=True, nogil=True)
 def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursors, corpus0, corpus1, versions,
-          n_corpora, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window, forget,
+          n_corpora, temps, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window,
           out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
-    first, later, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, seen_first, seen_later = policy
+    counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp = policy
     cursor, cursor_ver = cursors
     k = out_tokens.shape[1]
     scratch = np.zeros(k, np.int32)
+    # 1. Learn from the kept prefix of every row's previous full draft (DraftPolicy.observe_rows; SourcesProposer
+    # credit), all rows before any drafts, as decode.step does.
     for i in range(rows.shape[0]):
         s = slots[i]
         new = matrix[rows[i], starts[i]: ends[i]]
-        # 1. Learn from the kept prefix of the previous full draft (DraftPolicy.observe; SourcesProposer credit).
         n = min(prev_len[s], new.shape[0])
         if learn[i] and n > 0:
             kept = 0
             while kept < n and prev[s, kept] == new[kept]:
                 kept += 1
-            b = _bucket(prev_match[s])
-            for j in range(2):
-                first[s, b, j] *= forget
-                later[s, b, j] *= forget
-            first[s, b, 0] += 1.0 if kept > 0 else 0.0
-            first[s, b, 1] += 1.0
-            later[s, b, 0] += max(kept - 1, 0)
-            later[s, b, 1] += min(kept, n - 1)
-            for j in range(2):
-                seen_first[b, j] *= SHARED_FORGET
-                seen_later[b, j] *= SHARED_FORGET
-            seen_first[b, 0] += 1.0 if kept > 0 else 0.0
-            seen_first[b, 1] += 1.0
-            seen_later[b, 0] += max(kept - 1, 0)
-            seen_later[b, 1] += min(kept, n - 1)
+            A.observe(counts, request[s], prev_match[s], prev_branched[s], prev_src[s], prev_temp[s], n, kept)
             out_kept[i] = kept
             out_credit[i, 0] = prev_src[s]
             if prev_src[s] > 0:
                 out_credit[i, 1], out_credit[i, 2] = prev_ver[s], prev_end[s] + 1
         prev_len[s] = 0
+    for i in range(rows.shape[0]):
+        s = slots[i]
+        new = matrix[rows[i], starts[i]: ends[i]]
         # 2. Extend the request's index, and follow the new tokens over each corpus (re-walk after a change).
         v = _views(pool, s)
         if new.shape[0] > 0:
@@ -413,11 +381,13 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
         # 3. Draft: the request's own continuation, unless a corpus has a longer match (SourcesProposer's rule).
         limit = limits[i]
         d, m, src = 0, min(meta[K.MATCH_LEN], max_match), 0
+        br = 0
         if meta[K.MATCH_LEN] >= min_match and limit > 0:
             start = meta[K.MATCH_END] + 1
             d = K.draft_length(v[0], meta[K.N_TOKENS], start, limit, eos)
             for j in range(d):
                 out_tokens[i, j] = v[0][start + j]
+            br = K.match_branched(v[2], v[4], v[7], meta)
         best_d, best_m = d, m
         for c in range(n_corpora):
             corpus = corpus0 if c == 0 else corpus1
@@ -431,17 +401,14 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
                 for j in range(cd):
                     out_tokens[i, j] = scratch[j]
                 prev_end[s], prev_ver[s] = cur[2], versions[c]
+                br = K.branched(corpus[8], corpus[9], cur[0])
         if best_d == 0:
             best_m = m                              # nothing to draft: the request's match, as SourcesProposer
         out_lengths[i], out_match[i], out_source[i] = best_d, best_m, src
         prev_len[s], prev_match[s], prev_src[s] = best_d, best_m, src
+        prev_branched[s], prev_temp[s] = br, temps[i]
         for j in range(best_d):
             prev[s, j] = out_tokens[i, j]
-        # 4. The probability of each draft token being kept: a1 a2^(j-1) (DraftPolicy's model for its bucket).
-        b = _bucket(best_m)
-        a1 = first[s, b, 0] / first[s, b, 1]
-        a2 = later[s, b, 0] / later[s, b, 1]
-        p = a1
-        for j in range(best_d):
-            out_p[i, j] = p
-            p *= a2
+        # 4. The probability of each draft token being kept (the acceptance model, as DraftPolicy prices it).
+        out_p[i, :] = 0.0
+        A.predict(counts, request[s], best_m, br, src, temps[i], best_d, out_p[i])
