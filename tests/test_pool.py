@@ -40,10 +40,11 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
     draft plus one true token (as a verifier with that truth would); rows join and leave over time."""
     rng = np.random.default_rng(seed)
     reqs = _streams(rng, 12, vocab)
-    if growth:                                   # long prompts: slots outgrow their first room, arenas compact
+    if growth:                                   # long prompts: slots outgrow their first room
         reqs = [(np.tile(p, 60)[:3000], o) for p, o in reqs]
     pool = IndexPool(k, min_match=1, max_match=16, eos_token_ids=EOS)
-    pool.compact_at = 1000 if growth else pool.compact_at
+    if growth:                                   # every room past half builds its copy, a little per step
+        pool.migrate_from, pool.migrate_work = 0, 1500
     matrix = np.zeros((len(reqs), 4096), np.int32)
     ref, slot, done, pos = {}, {}, {}, {}
     active, waiting = [], list(range(len(reqs)))
@@ -104,7 +105,7 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             active.remove(i)
             assert pool.tokens(slot[i][0]).tolist() == matrix[i, : slot[i][1]].tolist()   # what it was given
             pool.remove(slot[i][0])
-    assert not growth or pool.compactions > 0, "guard: the arenas were compacted"
+    assert not growth or pool.swaps > 0, "guard: slots grew through their copies"
     return compared, kept_total
 
 
@@ -115,7 +116,7 @@ def test_pool_equals_index_and_policy(seed, k):
     assert compared > 50 and kept > 0, "guard: drafts were kept"
 
 
-def test_pool_slots_grow_and_compact():
+def test_pool_slots_grow_through_copies():
     compared, kept = _run(7, 8, vocab=8, corpora=[], growth=True)
     assert compared > 50 and kept > 0
 
@@ -165,3 +166,27 @@ def test_new_slots_start_from_what_all_slots_saw():
     got = pool.step(matrix, np.array([0]), np.array([t]), np.array([0]), np.array([100]), np.array([8]),
                     np.array([False]))
     assert got.lengths[0] == 8 and np.all(got.p_kept[0, :8] > fresh + 0.2)
+
+
+def test_growth_work_per_step_is_bounded_at_any_context():
+    # Two rows grow from 20k to 140k tokens, 64 a step: their rooms double at 32k, 64k and 128k. No step may write
+    # more than the migration budget (MIGRATE_WORK units, and MIGRATE_PER_TOKEN per appended token), whatever the
+    # context: growth never copies a whole room in one step.
+    from lookup_decode.core.pool import _HASH_PER_WORK, MIGRATE_PER_TOKEN, MIGRATE_WORK
+    rng = np.random.default_rng(0)
+    end, per_step = 140_000, 64
+    matrix = np.resize(rng.integers(3, 5000, size=997), (2, end)).astype(np.int32)
+    pool = IndexPool(8)
+    slots = np.array([pool.add(20_000), pool.add(20_000)])
+    rows, limits = np.arange(2), np.full(2, 8)
+    pool.step(matrix, rows, slots, np.zeros(2, np.int64), np.full(2, 20_000), limits, np.zeros(2, np.bool_))
+    most, n = 0, 20_000
+    while n + per_step <= end:
+        before = pool.copied
+        got = pool.step(matrix, rows, slots, np.full(2, n), np.full(2, n + per_step), limits, np.ones(2, np.bool_))
+        most = max(most, pool.copied - before)
+        n += per_step
+    assert pool.swaps == 6 and pool.cap[slots].tolist() == [262_144, 262_144]
+    budget = MIGRATE_WORK + MIGRATE_PER_TOKEN * 2 * per_step
+    assert most <= budget * max(12 * _HASH_PER_WORK, 4 + 16 * 2 + 12 * 3 + 12 * 8 + 8), most
+    assert got.lengths.min() > 0 and pool.tokens(int(slots[0])).tolist() == matrix[0, :n].tolist()

@@ -3,7 +3,7 @@
 An engine that runs its own loop (vLLM) asks once per step for a draft for every row of its batch. Per row
 that is an index extend, a draft and a policy update: microseconds of work, but tens of microseconds of
 Python per row around it, on a path the engine runs serially. The pool keeps every request's automaton in
-shared arenas (one array per buffer kind, each request a region of it), the acceptance model's pooled counts
+arrays of its own (a numba typed list, one tuple of buffers per slot), the acceptance model's pooled counts
 (`core.acceptance`, one pool for all slots) and each slot's request state, so `step` is one numba call over all
 rows:
 
@@ -17,10 +17,15 @@ drafts, match lengths and probabilities are those of `SuffixIndex`, `SourcesProp
 the same token streams (tested against them); how many tokens of each draft to send is the caller's choice
 (`policy.ragged_lengths`).
 
-Arenas: a slot with room for c tokens owns c token ids, 4 x (2c + 2) state ints, 3 x (3c + 4) edge ints and a
-hash table of the smallest power of two >= 2 (3c + 4) slots (the layout of `SuffixIndex`). Regions are carved
-from the end of each arena; a slot that outgrows its room moves to a region twice as large; freed regions
-are reclaimed by compacting once they are half of an arena.
+Storage: a slot with room for c tokens owns c token ids, 4 x (2c + 2) state ints, 3 x (3c + 4) edge ints and a
+hash table of the smallest power of two >= 2 (3c + 4) slots (the layout of `SuffixIndex`). Growth never stalls a
+step: once a slot holds 3/4 of its room (and its room is at least `migrate_from`), the pool starts building a copy
+of its automaton with twice the room beside it, by re-extending it with the slot's own tokens a bounded amount of
+work per `step` (MIGRATE_WORK + MIGRATE_PER_TOKEN per token the call appends: hash slots filled, then tokens
+re-extended, over all slots of the call), and swaps it in once it has caught up; the automaton is a function of
+its tokens, so the copy is the same automaton.
+Only a slot that outgrows its whole room within one call (a prompt, a big burst) grows there, by copying: work in
+proportion to the tokens that call brings anyway. `copied` counts the bytes every growth wrote.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
+from numba.typed import List
 
 from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
@@ -37,12 +43,43 @@ from lookup_decode.core.index import MAX_TOKENS, SuffixIndex
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
+MIGRATE_WORK = 1024                # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
+MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
+_HASH_PER_WORK = 32
 
 
 def _layout(cap: int) -> tuple[int, int, int]:
     """(states, edges, hash slots) of a slot with room for cap tokens."""
     edges = 3 * cap + 4
     return 2 * cap + 2, edges, 1 << int(np.ceil(np.log2(2 * edges)))
+
+
+def _buffers_for(cap: int, fill: bool = True) -> tuple:
+    """(tok, st, ed, hk, hv) of a slot with room for cap tokens. fill=False: uninitialized (hk must be set to -1
+    before use; the automaton writes every other entry before it reads it), so that allocating costs no time: a
+    freed block is reused from the heap, where zeroing it would be O(room)."""
+    states, edges, hashes = _layout(cap)
+    new = np.zeros if fill else np.empty
+    hk = np.full(hashes, -1, np.int64) if fill else np.empty(hashes, np.int64)
+    return (new(cap, np.int32), new((4, states), np.int32), new((3, edges), np.int32), hk, new(hashes, np.int32))
+
+
+def _bytes_of(cap: np.ndarray) -> np.ndarray:
+    """int64: bytes the buffers of slots with room for cap tokens hold (0 where cap is 0)."""
+    cap = np.asarray(cap, np.int64)
+    edges = 3 * cap + 4
+    hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
+    return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+
+
+@dataclass
+class _Copy:
+    """A slot's automaton being rebuilt with twice the room (see the module docstring)."""
+    cap: int
+    buffers: tuple              # (tok, st, ed, hk, hv) for cap tokens
+    meta: np.ndarray            # int64 [META_SIZE]
+    hashed: int = 0             # hash slots set to -1 so far
+    done: int = 0               # tokens re-extended so far
 
 
 class IndexPool:
@@ -71,25 +108,23 @@ class IndexPool:
         self.slots = 0                                      # slots ever allocated (arrays hold this many rows)
         self.free: list[int] = []
         self.meta = None
+        self._none = _buffers_for(1)                        # the buffers of a free slot
+        self.buffers = List()                               # per slot: (tok, st, ed, hk, hv)
+        self.copies: dict[int, _Copy] = {}                  # slots being rebuilt with twice the room
         self._arrays(64)
-        self.tok = np.zeros(1 << 16, np.int32)
-        self.st = np.zeros((4, 1 << 17), np.int32)
-        self.ed = np.zeros((3, 1 << 17), np.int32)
-        self.hk = np.full(1 << 18, -1, np.int64)
-        self.hv = np.zeros(1 << 18, np.int32)
-        self.used = np.zeros(4, np.int64)                   # bump pointer of each arena: tok, st, ed, hash
-        self.garbage = np.zeros(4, np.int64)
         self.bytes = 0                                      # what the live slots hold (their nbytes, summed)
+        self.copied = 0                                     # bytes written by growth, ever (tests bound it per call)
+        self.migrate_from = 1 << 14                         # smaller rooms grow by copying (a few microseconds)
+        self.migrate_work = MIGRATE_WORK
+        self.swaps = 0                                      # copies swapped in, ever
         self._out = _buffers(64, self.k)
-        self.compact_at = 1 << 20                           # hash slots of garbage before compacting is worth it
-        self.compactions = 0
 
     # -- slot arrays ----------------------------------------------------------------------------------
     def _arrays(self, n: int) -> None:
         """Per-slot arrays for n slots (the values of the slots so far kept)."""
         k = max(self.k, 1)
         spec = {"meta": ((K.META_SIZE,), np.int64, 0),
-                "cap": ((), np.int64, 0), "off": ((4,), np.int64, 0),     # room in tokens; offsets in tok/st/ed/hash
+                "cap": ((), np.int64, 0),                                 # room in tokens
                 "request": ((A.REQUEST_SIZE,), np.float64, 0.0),          # its acceptance deviation, copy rate
                 "prev": ((k,), np.int32, 0),                              # each slot's last full draft
                 "prev_len": ((), np.int64, 0), "prev_match": ((), np.int64, 0),
@@ -106,6 +141,8 @@ class IndexPool:
             if old is not None:
                 new[: old.shape[0]] = old
             setattr(self, name, new)
+        while len(self.buffers) < n:
+            self.buffers.append(self._none)
 
     def add(self, n_tokens: int = 0) -> int:
         """A new slot with room for n_tokens (an index over nothing, no evidence of its own); returns its number."""
@@ -118,7 +155,12 @@ class IndexPool:
         cap = FIRST_CAP
         while cap < n_tokens:
             cap *= 2
-        self._place(s, min(cap, max(MAX_TOKENS, int(n_tokens))), keep=False)
+        cap = min(cap, max(MAX_TOKENS, int(n_tokens)))
+        buffers = _buffers_for(cap)
+        st = buffers[1]
+        K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
+        self.buffers[s], self.cap[s] = buffers, cap
+        self.bytes += int(_bytes_of(cap))
         self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
         self.cursor[s] = SuffixIndex.new_cursor()
@@ -126,17 +168,11 @@ class IndexPool:
         return s
 
     def remove(self, s: int) -> None:
-        """Free slot s (its regions become garbage, reclaimed by the next compaction)."""
-        states, edges, hashes = _layout(int(self.cap[s]))
-        self.garbage += (int(self.cap[s]), states, edges, hashes)
-        self.bytes -= int(self._bytes_of(self.cap[s: s + 1])[0])
-        self.cap[s] = 0
+        """Free slot s (its buffers are dropped)."""
+        self.bytes -= int(self.nbytes([s])[0])
+        self.copies.pop(s, None)
+        self.buffers[s], self.cap[s] = self._none, 0
         self.free.append(s)
-        self._maybe_compact()
-
-    def _maybe_compact(self) -> None:
-        if 2 * self.garbage[3] > self.used[3] and self.garbage[3] > self.compact_at:
-            self._compact()
 
     def length(self, slots) -> np.ndarray:
         """int64 [r]: tokens indexed in each slot."""
@@ -144,104 +180,104 @@ class IndexPool:
 
     def tokens(self, s: int) -> np.ndarray:
         """The text of slot s, int32 [n] (a copy)."""
-        o = int(self.off[s, 0])
-        return self.tok[o: o + int(self.meta[s, K.N_TOKENS])].copy()
+        return self.buffers[s][0][: int(self.meta[s, K.N_TOKENS])].copy()
 
     def nbytes(self, slots) -> np.ndarray:
-        """int64 [r]: bytes each slot holds in the arenas (its room, as `SuffixIndex.nbytes` counts it)."""
-        return self._bytes_of(self.cap[np.asarray(slots, np.int64)])
+        """int64 [r]: bytes each slot holds (its room, as `SuffixIndex.nbytes` counts it, and a growing copy's)."""
+        slots = np.asarray(slots, np.int64)
+        extra = np.array([self.copies[s].cap if s in self.copies else 0 for s in slots.tolist()], np.int64)
+        return _bytes_of(self.cap[slots]) + _bytes_of(extra)
 
-    # -- regions --------------------------------------------------------------------------------------
-    def _region(self, arena: int, size: int) -> int:
-        """Offset of `size` fresh elements at the end of arena `arena`, growing it (by doubling) if needed."""
-        names = ("tok", "st", "ed", "hk")
-        need = int(self.used[arena]) + size
-        have = getattr(self, names[arena]).shape[-1]
-        if need > have:
-            new = max(2 * have, need)
-            if arena == 3:
-                self.hk = np.concatenate([self.hk, np.full(new - have, -1, np.int64)])
-                self.hv = np.concatenate([self.hv, np.zeros(new - have, np.int32)])
-            else:
-                a = getattr(self, names[arena])
-                b = np.zeros(a.shape[:-1] + (new,), a.dtype)
-                b[..., :have] = a
-                setattr(self, names[arena], b)
-        at = int(self.used[arena])
-        self.used[arena] = need
-        return at
-
-    def _place(self, s: int, cap: int, keep: bool) -> None:
-        """Give slot s regions for cap tokens; keep=True moves its automaton there (rehashed), else starts empty."""
-        states, edges, hashes = _layout(cap)
-        off = [self._region(0, cap), self._region(1, states), self._region(2, edges), self._region(3, hashes)]
-        self.hk[off[3]: off[3] + hashes] = -1
-        if keep:
-            old, n_st = self.off[s].copy(), int(self.meta[s, K.N_STATES])
-            n_tok, n_ed = int(self.meta[s, K.N_TOKENS]), int(self.meta[s, K.N_EDGES])
-            self.tok[off[0]: off[0] + n_tok] = self.tok[old[0]: old[0] + n_tok]
-            self.st[:, off[1]: off[1] + n_st] = self.st[:, old[1]: old[1] + n_st]
-            self.ed[:, off[2]: off[2] + n_ed] = self.ed[:, old[2]: old[2] + n_ed]
-            o_states, o_edges, o_hashes = _layout(int(self.cap[s]))
-            self.garbage += (int(self.cap[s]), o_states, o_edges, o_hashes)
-            K.rehash(self.st[3, off[1]: off[1] + states], self.ed[0, off[2]: off[2] + edges],
-                     self.ed[2, off[2]: off[2] + edges], n_st, self.hk[off[3]: off[3] + hashes],
-                     self.hv[off[3]: off[3] + hashes])
-        self.bytes += int(self._bytes_of(np.array([cap]))[0] - self._bytes_of(self.cap[s: s + 1])[0])
-        self.off[s], self.cap[s] = off, cap
-        if not keep:
-            st = self.st[:, off[1]: off[1] + states]
-            K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
-
-    def _bytes_of(self, cap: np.ndarray) -> np.ndarray:
-        edges = 3 * cap + 4
-        hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
-        return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+    # -- growth -------------------------------------------------------------------------------------
+    def _next_cap(self, cap: int, need: int) -> int:
+        while cap < need:
+            cap *= 2
+        return min(cap, max(MAX_TOKENS, need))
 
     def growth(self, slots, more) -> np.ndarray:
-        """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices)."""
+        """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices): a bigger
+        room now, or the copy with twice the room that starts once a slot holds 3/4 of its room."""
         slots = np.asarray(slots, np.int64)
         cap, need = self.cap[slots], self.meta[slots, K.N_TOKENS] + np.asarray(more, np.int64)
         out = np.zeros(len(slots), np.int64)
-        grow = np.flatnonzero(need > cap)
-        if len(grow):
-            new = np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64))
-            out[grow] = self._bytes_of(np.maximum(new, cap[grow])) - self._bytes_of(cap[grow])
+        for i in range(len(slots)):
+            s, c, n = int(slots[i]), int(cap[i]), int(need[i])
+            have = self.copies[s].cap if s in self.copies else 0
+            if n > max(c, have):
+                out[i] = int(_bytes_of(self._next_cap(c, n))) - int(_bytes_of(c)) - int(_bytes_of(have))
+            elif not have and 4 * n > 3 * c and c >= self.migrate_from and c < MAX_TOKENS:
+                out[i] = int(_bytes_of(2 * c))
         return out
 
     def reserve(self, slots: np.ndarray, more: np.ndarray) -> None:
-        """Room for `more[i]` more tokens in slot slots[i] (amortized O(1) per token: rooms double)."""
+        """Room for `more[i]` more tokens in slot slots[i]: a slot past 3/4 of its room gets its bigger copy
+        started (built by `migrate`), one that outgrows its room now grows now (amortized O(1) per token)."""
         need = self.meta[slots, K.N_TOKENS] + more
-        if not (need > self.cap[slots]).any():
-            return
         if need.max(initial=0) > MAX_TOKENS:
             raise ValueError(f"a pool slot holds at most {MAX_TOKENS} tokens (int32 positions)")
-        for i in np.flatnonzero(need > self.cap[slots]):
-            cap = int(self.cap[slots[i]])
-            while cap < need[i]:
-                cap *= 2
-            self._place(int(slots[i]), min(cap, max(MAX_TOKENS, int(need[i]))), keep=True)
-        self._maybe_compact()
+        cap = self.cap[slots]
+        for i in np.flatnonzero(4 * need > 3 * cap):
+            s, n, c = int(slots[i]), int(need[i]), int(cap[i])
+            if n > c:
+                self._grow_now(s, n)
+            elif s not in self.copies and c >= self.migrate_from and c < MAX_TOKENS:
+                buffers = _buffers_for(2 * c, fill=False)
+                meta = np.zeros(K.META_SIZE, np.int64)
+                st = buffers[1]
+                K.init_automaton(st[0], st[1], st[2], st[3], meta)
+                self.copies[s] = _Copy(2 * c, buffers, meta)
+                self.bytes += int(_bytes_of(2 * c))
 
-    def _compact(self) -> None:
-        """Copy the live slots' regions to the front of fresh arenas (no rehash: hash regions move whole)."""
-        self.compactions += 1
-        live = [s for s in range(self.slots) if self.cap[s] > 0]
-        old = (self.tok, self.st, self.ed, self.hk, self.hv, self.off.copy())
-        self.tok, self.st = np.zeros_like(self.tok), np.zeros_like(self.st)
-        self.ed, self.hk, self.hv = np.zeros_like(self.ed), np.full_like(self.hk, -1), np.zeros_like(self.hv)
-        self.used[:], self.garbage[:] = 0, 0
-        tok, st, ed, hk, hv, off = old
-        for s in live:
-            states, edges, hashes = _layout(int(self.cap[s]))
-            new = [self._region(0, int(self.cap[s])), self._region(1, states), self._region(2, edges),
-                   self._region(3, hashes)]
-            self.tok[new[0]: new[0] + self.cap[s]] = tok[off[s, 0]: off[s, 0] + self.cap[s]]
-            self.st[:, new[1]: new[1] + states] = st[:, off[s, 1]: off[s, 1] + states]
-            self.ed[:, new[2]: new[2] + edges] = ed[:, off[s, 2]: off[s, 2] + edges]
-            self.hk[new[3]: new[3] + hashes] = hk[off[s, 3]: off[s, 3] + hashes]
-            self.hv[new[3]: new[3] + hashes] = hv[off[s, 3]: off[s, 3] + hashes]
-            self.off[s] = new
+    def _grow_now(self, s: int, need: int) -> None:
+        """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
+        self.bytes -= int(self.nbytes([s])[0])
+        self.copies.pop(s, None)
+        cap = self._next_cap(int(self.cap[s]), need)
+        old, meta = self.buffers[s], self.meta[s]
+        new = _buffers_for(cap)
+        n_tok, n_st, n_ed = int(meta[K.N_TOKENS]), int(meta[K.N_STATES]), int(meta[K.N_EDGES])
+        new[0][:n_tok] = old[0][:n_tok]
+        new[1][:, :n_st] = old[1][:, :n_st]
+        new[2][:, :n_ed] = old[2][:, :n_ed]
+        K.rehash(new[1][3], new[2][0], new[2][2], n_st, new[3], new[4])
+        self.copied += int(_bytes_of(cap))
+        self.buffers[s], self.cap[s] = new, cap
+        self.bytes += int(_bytes_of(cap))
+
+    def migrate(self, slots, work: int | None = None) -> None:
+        """Advance the growing copies of `slots` by about `work` units in all (a token re-extended, or
+        _HASH_PER_WORK hash slots set; default `migrate_work`); a copy that has caught up with its slot replaces it."""
+        work = self.migrate_work if work is None else work
+        for s in [int(s) for s in slots if int(s) in self.copies]:
+            if work <= 0:
+                return
+            c = self.copies[s]
+            hk, hv = c.buffers[3], c.buffers[4]
+            if c.hashed < len(hk):
+                # The table is empty (-1) before any insertion; writing hv too takes its page faults here, in
+                # order, instead of one per random insertion later.
+                m = min(len(hk) - c.hashed, work * _HASH_PER_WORK)
+                hk[c.hashed: c.hashed + m] = -1
+                hv[c.hashed: c.hashed + m] = 0
+                c.hashed += m
+                work -= -(-m // _HASH_PER_WORK)
+                self.copied += 12 * m
+                continue
+            n = int(self.meta[s, K.N_TOKENS])
+            m = min(n - c.done, work)
+            if m > 0:
+                tok, st, ed, hk, hv = c.buffers
+                K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, c.meta,
+                         self.buffers[s][0][c.done: c.done + m], self.window)
+                c.done += m
+                work -= m
+                self.copied += int(_bytes_of(c.cap) // c.cap) * m
+            if c.done == n:                     # the same tokens, so the same automaton: swap it in
+                self.bytes -= int(_bytes_of(int(self.cap[s])))
+                self.buffers[s], self.cap[s] = c.buffers, c.cap
+                self.meta[s] = c.meta
+                del self.copies[s]
+                self.swaps += 1
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
@@ -259,6 +295,8 @@ class IndexPool:
         rows, slots = np.asarray(rows, np.int64), np.asarray(slots, np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         self.reserve(slots, ends - starts)
+        if self.copies:
+            self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int((ends - starts).sum()))
         r = len(rows)
         if r > self._out.tokens.shape[0]:             # outputs live in buffers reused from call to call
             self._out = _buffers(max(r, 2 * self._out.tokens.shape[0]), self.k)
@@ -277,7 +315,7 @@ class IndexPool:
         temps = np.zeros(r) if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
         _step(matrix, rows, slots, starts, ends, np.minimum(np.asarray(limits, np.int64), self.k),
               np.asarray(learn, np.bool_),
-              (self.tok, self.st, self.ed, self.hk, self.hv, self.meta, self.cap, self.off),
+              (self.buffers, self.meta, self.cap),
               (self.counts, self.request, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
                self.prev_ver, self.prev_branched, self.prev_temp), (self.cursor, self.cursor_ver),
               c_arrays[0], c_arrays[1], versions, len(corpora), temps,
@@ -307,17 +345,13 @@ def _buffers(r: int, k: int) -> Step:
 
 @njit(cache=True, nogil=True)
 def _views(pool, s):
-    tok, st, ed, hk, hv, meta, cap, off = pool
+    buffers, meta, cap = pool
+    tok, st, ed, hk, hv = buffers[s]
     c = cap[s]
     states = 2 * c + 2
     edges = 3 * c + 4
-    hashes = 1
-    while hashes < 2 * edges:
-        hashes *= 2
-    o = off[s]
-    return (tok[o[0]: o[0] + c], st[0, o[1]: o[1] + states], st[1, o[1]: o[1] + states], st[2, o[1]: o[1] + states],
-            st[3, o[1]: o[1] + states], ed[0, o[2]: o[2] + edges], ed[1, o[2]: o[2] + edges],
-            ed[2, o[2]: o[2] + edges], hk[o[3]: o[3] + hashes], hv[o[3]: o[3] + hashes], meta[s])
+    return (tok[:c], st[0, :states], st[1, :states], st[2, :states], st[3, :states], ed[0, :edges], ed[1, :edges],
+            ed[2, :edges], hk, hv, meta[s])
 
 
 @njit(cache=True, nogil=True)
