@@ -200,7 +200,7 @@ def test_calibrated_on_a_stream_with_known_keep_rates(keep):
     policy, cal = DraftPolicy(8), Calibration()
     rng = np.random.default_rng(3)
     _stream(policy, rng, 50, keep, rows=8)                # burn-in
-    _stream(policy, rng, 400, keep, rows=8, cal=cal)
+    _stream(policy, rng, 800, keep, rows=8, cal=cal)
     # Bins of >= 500 tokens: at 50 the share kept alone has a standard error of ~0.07, and a step's rows share
     # one prediction, so small bins test the dice, not the model.
     assert cal.error(500) <= 0.05, cal.summary(500)

@@ -28,7 +28,9 @@ Learning compares a row's *full* proposed draft with the tokens the step then em
 
 Everything is module-level `@njit` functions over plain arrays: `DraftPolicy` (core/policy.py) calls them from
 Python, `IndexPool`'s kernel (core/pool.py) from inside its compiled step, so both give the same probabilities for
-the same stream.
+the same stream. (numba's on-disk cache of that kernel does not notice a change of the constants here: after
+editing one, delete lookup_decode/core/__pycache__/*.nbi.) How calibrated it is on recorded real outputs:
+`python -m benchmarks.replay.calibration` (benchmarks/results/calibration/).
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ N_RATE = 4               # copy-rate classes: no evidence yet, < 1/3, < 2/3, >= 
 N_SOURCE = 3             # 0 the request, 1 + c corpus c (c < 2)
 N_TEMP = 3               # temperature classes: greedy (0), 0 < T < 1, T >= 1
 FORGET = 0.999           # per observation of a cell: the last ~1000 (a batch of 8 decides ~30 tokens a step)
-BACKOFF = 8.0            # a parent's estimate weighs as this many observations in its child cell
+BACKOFF = 16.0           # a parent's estimate weighs as this many observations in its child cell
 REQUEST_WEIGHT = 32.0    # the pooled prediction weighs as this many tokens against a request's own
 REQUEST_FORGET = 0.98    # per decided position: a request's deviation follows its last ~50 decided tokens
-RATE_FORGET = 0.7        # per observed step: the copy rate follows the last few steps (~16 tokens)
+RATE_FORGET = 0.85       # per observed step: the copy rate follows the last few steps (~16 tokens)
 ROOT = 0.5               # the estimate above level 0
 
 # Cells per level and where each level starts in the one counts array.
