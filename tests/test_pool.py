@@ -190,3 +190,24 @@ def test_growth_work_per_step_is_bounded_at_any_context():
     budget = MIGRATE_WORK + MIGRATE_PER_TOKEN * 2 * per_step
     assert most <= budget * max(12 * _HASH_PER_WORK, 4 + 16 * 2 + 12 * 3 + 12 * 8 + 8), most
     assert got.lengths.min() > 0 and pool.tokens(int(slots[0])).tolist() == matrix[0, :n].tolist()
+
+
+def test_growth_reports_what_reserve_adds():
+    # Before every step, growth() (what a memory bound checks) equals the change of pool.bytes the step's reserve
+    # makes: a room grown now, or a growing copy started.
+    rng = np.random.default_rng(1)
+    matrix = np.resize(rng.integers(3, 5000, size=997), (2, 12_000)).astype(np.int32)
+    pool = IndexPool(8)
+    pool.migrate_from = 1024
+    slots = np.array([pool.add(0), pool.add(0)])
+    n, seen = np.array([0, 0]), set()
+    while n.max() < 11_000:
+        more = np.array([int(rng.integers(1, 40)), int(rng.integers(1, 3000 if rng.random() < 0.05 else 40))])
+        expect = pool.growth(slots, more).sum()
+        before = pool.bytes
+        pool.reserve(slots, more)
+        assert pool.bytes - before == expect
+        seen.add("copy" if pool.copies else "none")
+        pool.step(matrix, np.arange(2), slots, n, n + more, np.full(2, 8), n > 0)
+        n = n + more
+    assert pool.swaps > 0 and "copy" in seen

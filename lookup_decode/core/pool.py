@@ -199,14 +199,17 @@ class IndexPool:
         room now, or the copy with twice the room that starts once a slot holds 3/4 of its room."""
         slots = np.asarray(slots, np.int64)
         cap, need = self.cap[slots], self.meta[slots, K.N_TOKENS] + np.asarray(more, np.int64)
+        have = np.zeros(len(slots), np.int64)
+        if self.copies:
+            have[:] = [self.copies[s].cap if s in self.copies else 0 for s in slots.tolist()]
         out = np.zeros(len(slots), np.int64)
-        for i in range(len(slots)):
-            s, c, n = int(slots[i]), int(cap[i]), int(need[i])
-            have = self.copies[s].cap if s in self.copies else 0
-            if n > max(c, have):
-                out[i] = int(_bytes_of(self._next_cap(c, n))) - int(_bytes_of(c)) - int(_bytes_of(have))
-            elif not have and 4 * n > 3 * c and c >= self.migrate_from and c < MAX_TOKENS:
-                out[i] = int(_bytes_of(2 * c))
+        grow = np.flatnonzero(need > cap)                 # reserve grows these now (a copy is dropped)
+        if len(grow):
+            new = np.maximum(np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64)), cap[grow])
+            out[grow] = _bytes_of(new) - _bytes_of(cap[grow]) - _bytes_of(have[grow])
+        start = (need <= cap) & (have == 0) & (4 * need > 3 * cap) & (cap >= self.migrate_from) \
+            & (cap < MAX_TOKENS)
+        out[start] = _bytes_of(2 * cap[start])
         return out
 
     def reserve(self, slots: np.ndarray, more: np.ndarray) -> None:
