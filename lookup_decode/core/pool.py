@@ -43,7 +43,7 @@ from lookup_decode.core.index import MAX_TOKENS, SuffixIndex
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
-MIGRATE_WORK = 1024                # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
+MIGRATE_WORK = 512                 # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
 MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
 _HASH_PER_WORK = 32
 
@@ -70,6 +70,17 @@ def _bytes_of(cap: np.ndarray) -> np.ndarray:
     edges = 3 * cap + 4
     hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
     return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+
+
+def _warm_up(window: int) -> None:
+    """Compile (or load) `automaton.extend` for the argument types `migrate` passes it, now: the first growth of
+    a long context must not wait for numba inside an engine step."""
+    tok, st, ed, hk, hv = _buffers_for(4, fill=False)
+    hk[:] = -1
+    meta = np.zeros(K.META_SIZE, np.int64)
+    K.init_automaton(st[0], st[1], st[2], st[3], meta)
+    src = np.array([1, 2, 1, 2], np.int32)
+    K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
 
 
 @dataclass
@@ -117,6 +128,8 @@ class IndexPool:
         self.migrate_from = 1 << 14                         # smaller rooms grow by copying (a few microseconds)
         self.migrate_work = MIGRATE_WORK
         self.swaps = 0                                      # copies swapped in, ever
+        _warm_up(self.window)
+        self.buffers[0] = self.buffers[0]                  # numba compiles typed-list access on first use: now
         self._out = _buffers(64, self.k)
 
     # -- slot arrays ----------------------------------------------------------------------------------
