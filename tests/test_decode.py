@@ -188,6 +188,11 @@ def test_stats_are_consistent(tiny_llama):
     assert stats.accepted_at[0] <= stats.steps and sum(stats.accepted_at) == stats.accepted
     assert stats.mean_accepted_length == pytest.approx(1 + stats.accepted / stats.steps)
     assert stats.model_s > 0 and stats.proposer_s > 0 and stats.total_s >= stats.model_s
+    # Calibration telemetry: every sent draft token is in the reliability table, the kept ones as kept.
+    rows = stats.calibration()
+    assert sum(r.tokens for r in rows) == stats.drafted
+    assert round(sum(r.kept * r.tokens for r in rows)) == stats.accepted
+    assert all(0.0 <= r.predicted <= 1.0 for r in rows)
 
 
 def test_repetition_penalty_applied_per_verified_position(tiny_llama):

@@ -1,4 +1,5 @@
-"""DraftPolicy's cost model: the chosen draft length against brute force on synthetic cost curves."""
+"""DraftPolicy: the chosen draft length against brute force on synthetic cost curves, and the acceptance model it
+prices with (core.acceptance): learning, back-off, calibration."""
 
 import numpy as np
 import pytest
@@ -6,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookup_decode import Draft
+from lookup_decode.core import acceptance as A
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.policy import DraftPolicy, bucket
+from lookup_decode.core.stats import Calibration
 
 
 def brute_expected_emitted(a1: float, a2: float, d: int) -> float:
@@ -21,10 +24,17 @@ def draft_of(available: int, match_len: int) -> list[Draft]:
 
 
 def policy_with(k: int, cost: CostCurve, a1: float, a2: float, match_len: int) -> DraftPolicy:
+    """A policy whose acceptance model says P(tokens 0..j kept) = a1 a2^j (the choice rule is what is tested)."""
     policy = DraftPolicy(k, cost)
-    b = bucket(match_len)
-    policy.first[b] = (a1 * 100.0, 100.0)
-    policy.later[b] = (a2 * 100.0, 100.0)
+
+    def p_kept(drafts, rows=None):
+        width = max([min(len(d.chain), k) for d in drafts] + [0])
+        out = np.zeros((len(drafts), width))
+        for i, d in enumerate(drafts):
+            n = min(len(d.chain), k)
+            out[i, :n] = a1 * a2 ** np.arange(n)
+        return out
+    policy.p_kept = p_kept
     return policy
 
 
@@ -70,12 +80,14 @@ def test_without_cost_model_verifies_everything_available():
     assert DraftPolicy(16, None).choose(draft_of(5, 3)) == 5 + 1
 
 
-def test_expected_emitted_matches_brute_force():
+def test_expected_table_matches_brute_force():
     cost = CostCurve([1, 33], [1.0, 2.0], 33)
     for a1, a2 in [(0.3, 0.7), (1.0, 1.0), (0.0, 0.9), (0.6, 0.0)]:
         policy = policy_with(32, cost, a1, a2, match_len=5)
-        got = policy.expected_emitted(5, 32)
+        got = policy.expected_table(draft_of(32, 5), 32)[0]
         assert np.allclose(got, [brute_expected_emitted(a1, a2, d) for d in range(33)])
+    short = policy.expected_table(draft_of(3, 5), 6)[0]          # flat past the draft's 3 tokens
+    assert np.allclose(short[3:], short[3])
 
 
 def test_tree_budget_uses_only_free_tokens():
@@ -93,16 +105,21 @@ def test_tree_budget_uses_only_free_tokens():
 
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(st.tuples(st.integers(0, 300), st.lists(st.integers(0, 3), max_size=12),
-                               st.lists(st.integers(0, 3), max_size=12)), min_size=1, max_size=20))
+                               st.lists(st.integers(0, 3), min_size=1, max_size=12), st.booleans(),
+                               st.integers(0, 2)), min_size=1, max_size=20))
 def test_observing_a_batch_at_once_equals_observing_rows_in_turn(rows):
-    drafts = [Draft(np.array(chain, np.int32), match_len) for match_len, chain, _ in rows]
-    emitted = [np.array(e, np.int64) for _, _, e in rows]
+    drafts = [Draft(np.array(chain, np.int32), match_len, branched=br, source=src)
+              for match_len, chain, _, br, src in rows]
+    emitted = [np.array(e, np.int64) for _, _, e, _, _ in rows]
+    ids = [i % 5 for i in range(len(rows))]               # requests repeat: a row's state carries over
     one_by_one, at_once = DraftPolicy(16), DraftPolicy(16)
-    for d, e in zip(drafts, emitted):
-        one_by_one.observe_rows([d], [e])
-    at_once.observe_rows(drafts, emitted)
-    assert np.allclose(at_once.first, one_by_one.first, rtol=1e-12)
-    assert np.allclose(at_once.later, one_by_one.later, rtol=1e-12)
+    for p in (one_by_one, at_once):
+        p.observe_rows([Draft(np.zeros(0, np.int32))] * 5, [[0]] * 5)        # room for 5 requests, nothing learned
+    for d, e, i in zip(drafts, emitted, ids):
+        one_by_one.observe(d, e, i)
+    at_once.observe_rows(drafts, emitted, ids)
+    assert np.array_equal(at_once.counts, one_by_one.counts)
+    assert np.array_equal(at_once.requests[:5], one_by_one.requests[:5])
 
 
 def test_buckets_of_many_equal_bucket_of_each():
@@ -115,8 +132,84 @@ def test_choosing_for_a_batch_equals_the_sum_of_each_rows_gain():
     cost = CostCurve([1, 8, 33], [1.0, 1.3, 2.5], 33)
     policy = DraftPolicy(32, cost)
     rng = np.random.default_rng(0)
-    drafts = [Draft(np.zeros(int(rng.integers(0, 33)), np.int32), int(rng.integers(0, 80))) for _ in range(24)]
+    for _ in range(30):                                   # some evidence, so rows differ
+        d = Draft(rng.integers(0, 3, 8).astype(np.int32), int(rng.integers(1, 80)))
+        policy.observe(d, rng.integers(0, 3, 5), int(rng.integers(0, 24)))
+    drafts = [Draft(np.zeros(int(rng.integers(0, 33)), np.int32), int(rng.integers(1, 80))) for _ in range(24)]
     max_d = max(len(d) for d in drafts)
-    gain = sum(policy.expected_emitted(d.match_len, max_d)[np.minimum(np.arange(max_d + 1), len(d))] for d in drafts)
+    table = policy.expected_table(drafts, max_d)
+    gain = table.sum(0)
     rate = gain / np.array([cost(w) for w in range(1, max_d + 2)])
     assert policy.choose(drafts) == int(np.argmax(rate)) + 1
+    assert policy.last_p.shape == (24, max_d)
+
+
+def _stream(policy, rng, steps, keep, k=8, rows=1, match_len=8, cal=None):
+    """Rows whose full drafts of k tokens keep each token (all before it kept) with probability keep(j)."""
+    for _ in range(steps):
+        drafts = [Draft(np.arange(1, k + 1, dtype=np.int32), match_len) for _ in range(rows)]
+        p = policy.p_kept(drafts, list(range(rows)))
+        emitted = []
+        for i in range(rows):
+            kept = 0
+            while kept < k and rng.random() < keep(kept):
+                kept += 1
+            emitted.append(np.concatenate([np.arange(1, kept + 1), [0]]))        # the kept prefix, then another
+            if cal is not None:
+                cal.observe_rows(p[i: i + 1], [k], [kept])
+        policy.observe_rows(drafts, emitted, list(range(rows)))
+    return policy.p_kept([Draft(np.arange(1, k + 1, dtype=np.int32), match_len)], [0])[0]
+
+
+def test_a_stream_that_always_copies_is_priced_near_one_everywhere():
+    p = _stream(DraftPolicy(8), np.random.default_rng(0), 40, lambda j: 1.0)
+    assert p[-1] > 0.9 and np.all(np.diff(p) <= 0)
+
+
+def test_a_stream_that_never_copies_is_priced_near_zero():
+    p = _stream(DraftPolicy(8), np.random.default_rng(0), 40, lambda j: 0.0)
+    assert p[0] < 0.1
+
+
+def test_a_short_request_outgrows_the_pool():
+    # The pool learned requests that copy everything; a request that keeps nothing is priced low within 20 steps.
+    policy = DraftPolicy(8)
+    _stream(policy, np.random.default_rng(0), 100, lambda j: 1.0, rows=8)
+    policy.requests[0] = A.new_requests(1)[0]             # row 0 is now a new request
+    before = policy.p_kept([Draft(np.arange(1, 9, dtype=np.int32), 8)], [0])[0][0]
+    after = _stream(policy, np.random.default_rng(1), 20, lambda j: 0.0)[0]
+    assert before > 0.9 and after < 0.3
+
+
+def test_a_sparse_cell_backs_off_to_its_parent():
+    # Evidence for source 0 only: a draft of source 2 (no cell of its own at the finest level) is priced by the
+    # parent level, i.e. as source 0 would be without its finest cells.
+    policy = DraftPolicy(8)
+    _stream(policy, np.random.default_rng(0), 30, lambda j: 0.8 if j < 3 else 0.3)
+    draft = Draft(np.arange(1, 9, dtype=np.int32), 8)
+    other = policy.p_kept([Draft(draft.tokens, 8, source=2)], [0])[0]
+    coarse = DraftPolicy(8)
+    coarse.counts, coarse.requests = policy.counts.copy(), policy.requests.copy()
+    coarse.counts[A.OFFSETS[3]:] = 0.0                   # the finest level knows nothing
+    assert np.allclose(other, coarse.p_kept([draft], [0])[0])
+    assert not np.allclose(other, policy.p_kept([draft], [0])[0])
+
+
+@pytest.mark.parametrize("keep", [lambda j: 0.9, lambda j: 0.6 if j == 0 else 0.85, lambda j: 0.4 - 0.04 * j])
+def test_calibrated_on_a_stream_with_known_keep_rates(keep):
+    policy, cal = DraftPolicy(8), Calibration()
+    rng = np.random.default_rng(3)
+    _stream(policy, rng, 50, keep, rows=8)                # burn-in
+    _stream(policy, rng, 800, keep, rows=8, cal=cal)
+    # Bins of >= 500 tokens: at 50 the share kept alone has a standard error of ~0.07, and a step's rows share
+    # one prediction, so small bins test the dice, not the model.
+    assert cal.error(500) <= 0.05, cal.summary(500)
+
+
+def test_sampled_rows_have_cells_of_their_own():
+    greedy, sampled = DraftPolicy(8), DraftPolicy(8, temperature=0.7)
+    sampled.counts = greedy.counts                      # one pool: greedy evidence does not price sampled rows
+    _stream(greedy, np.random.default_rng(0), 40, lambda j: 1.0)
+    draft = Draft(np.arange(1, 9, dtype=np.int32), 8)
+    assert greedy.p_kept([draft], [0])[0][0] > 0.9
+    assert sampled.p_kept([draft], [0])[0][0] < 0.6

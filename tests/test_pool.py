@@ -1,5 +1,6 @@
-"""IndexPool: many requests stepped in one compiled call give the drafts, match lengths and acceptance counts of
-SuffixIndex + SourcesProposer + DraftPolicy on the same token streams (the reference), whatever the batch does."""
+"""IndexPool: many requests stepped in one compiled call give the drafts, match lengths and acceptance probabilities
+of SuffixIndex + SourcesProposer + one DraftPolicy on the same token streams (the reference), whatever the batch
+does."""
 
 import contextlib
 
@@ -39,14 +40,16 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
     draft plus one true token (as a verifier with that truth would); rows join and leave over time."""
     rng = np.random.default_rng(seed)
     reqs = _streams(rng, 12, vocab)
-    if growth:                                   # long prompts: slots outgrow their first room, arenas compact
+    if growth:                                   # long prompts: slots outgrow their first room
         reqs = [(np.tile(p, 60)[:3000], o) for p, o in reqs]
     pool = IndexPool(k, min_match=1, max_match=16, eos_token_ids=EOS)
-    pool.compact_at = 1000 if growth else pool.compact_at
+    if growth:                                   # every room past half builds its copy, a little per step
+        pool.migrate_from, pool.migrate_work = 0, 1500
     matrix = np.zeros((len(reqs), 4096), np.int32)
     ref, slot, done, pos = {}, {}, {}, {}
     active, waiting = [], list(range(len(reqs)))
     compared = kept_total = 0
+    policy = DraftPolicy(k)                      # one policy for every request, as one pool serves them all
     while waiting or active:
         if waiting and (len(active) < 5 or rng.random() < 0.3):
             i = waiting.pop(0)
@@ -58,7 +61,7 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             drafter = (SourcesProposer(index, corpora, min_match=1, max_match=16, eos_token_ids=EOS)
                        if corpora else index)
             drafter.extend(matrix[i, : pos[i]])
-            ref[i] = (drafter, DraftPolicy(k), None)
+            ref[i] = (drafter, None)
             slot[i] = (pool.add(0 if growth else pos[i]), 0)
             active.append(i)
         rows = np.array(active, np.int64)
@@ -71,16 +74,16 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
         with contextlib.ExitStack() as stack:
             got = pool.step(matrix, rows, slots, starts, ends, limits, learn,
                             [stack.enter_context(c.reading()) for _, c in corpora])
+        steps = []
         for j, i in enumerate(active):
-            drafter, policy, last = ref[i]
+            drafter, last = ref[i]
             full = drafter.propose(int(limits[j]))
             assert got.tokens[j, : got.lengths[j]].tolist() == full.tokens.tolist(), (seed, i)
-            assert got.match[j] == full.match_len
+            assert got.match[j] == full.match_len and got.source[j] == full.source
             if last is not None:           # -1: nothing to learn (an empty draft)
                 assert got.kept[j] == (kept_prefix(last[0].chain, last[1]) if len(last[0]) else -1)
-            # probabilities: DraftPolicy's a1 a2^(j-1) for this bucket
-            table = policy.expected_table(np.array([full.match_len]), len(full))[0]
-            assert np.allclose(np.diff(table), got.p_kept[j, : len(full)])
+            # probabilities: the acceptance model's, the pool's pooled counts against the policy's
+            assert np.allclose(policy.p_kept([full], [i])[0], got.p_kept[j, : len(full)], rtol=1e-12, atol=0)
             compared += 1
             # the engine: kept prefix of the full draft, then one true token
             truth = reqs[i][1][done[i]:]
@@ -88,17 +91,21 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             kept_total += kept
             emitted = truth[: kept + 1]
             matrix[i, pos[i]: pos[i] + len(emitted)] = emitted
-            policy.observe(full, emitted)
             drafter.extend(emitted)
-            ref[i] = (drafter, policy, (full, emitted))
+            ref[i] = (drafter, (full, emitted))
             slot[i] = (slot[i][0], pos[i])
             pos[i] += len(emitted)
             done[i] += len(emitted)
+            steps.append((i, full, emitted))
+        # The policy learns every row of the step in order (decode.step), the pool at the row's next step, all rows
+        # before drafting; a request that ends now is never stepped again, so the pool never sees its last tokens.
+        go_on = [(i, f, e) for i, f, e in steps if done[i] < len(reqs[i][1])]
+        policy.observe_rows([f for _, f, _ in go_on], [e for _, _, e in go_on], [i for i, _, _ in go_on])
         for i in [i for i in active if done[i] >= len(reqs[i][1])]:
             active.remove(i)
             assert pool.tokens(slot[i][0]).tolist() == matrix[i, : slot[i][1]].tolist()   # what it was given
             pool.remove(slot[i][0])
-    assert not growth or pool.compactions > 0, "guard: the arenas were compacted"
+    assert not growth or pool.swaps > 0, "guard: slots grew through their copies"
     return compared, kept_total
 
 
@@ -109,7 +116,7 @@ def test_pool_equals_index_and_policy(seed, k):
     assert compared > 50 and kept > 0, "guard: drafts were kept"
 
 
-def test_pool_slots_grow_and_compact():
+def test_pool_slots_grow_through_copies():
     compared, kept = _run(7, 8, vocab=8, corpora=[], growth=True)
     assert compared > 50 and kept > 0
 
@@ -141,18 +148,66 @@ def test_ragged_lengths_is_the_best_choice(p, avail, cost):
     assert np.all(got <= avail) and rate(got) >= best - 1e-9
 
 
-def test_shared_prior_follows_what_all_slots_saw():
-    pool = IndexPool(8, shared_prior=True)
-    fresh = pool.prior()
-    assert np.allclose(fresh[0], pool.first0) and np.allclose(fresh[1], pool.later0)
-    # A slot whose long-match drafts are always kept: a new slot starts with a higher first-token rate there.
+def test_new_slots_start_from_what_all_slots_saw():
+    # A slot whose long-match drafts are always kept: a new slot (no evidence of its own) is priced from the pool.
+    pool = IndexPool(8)
     matrix = np.tile(np.arange(3, 13, dtype=np.int32), 40)[None, :]     # a repeating text: long matches
     s = pool.add(0)
-    pool.step(matrix, np.array([0]), np.array([s]), np.array([0]), np.array([100]), np.array([8]), np.array([False]))
-    for end in range(101, 140):           # the text goes on as before: every first draft token is kept
-        pool.step(matrix, np.array([0]), np.array([s]), np.array([end - 1]), np.array([end]), np.array([8]),
-                  np.array([True]))
-    first, later = pool.prior()
-    b = 6                                                               # bucket of matches 64-127
-    assert first[b, 0] / first[b, 1] > pool.first0[b, 0] / pool.first0[b, 1]
-    assert np.allclose(first[:, 1], pool.first0[:, 1])                  # still worth the prior's weight
+    got = pool.step(matrix, np.array([0]), np.array([s]), np.array([0]), np.array([100]), np.array([8]),
+                    np.array([False]))
+    fresh = got.p_kept[0, : got.lengths[0]].copy()
+    end = 100
+    while end < 300:                      # the text goes on as before: every draft token is kept, and one more
+        start, end = end, end + int(got.lengths[0]) + 1
+        got = pool.step(matrix, np.array([0]), np.array([s]), np.array([start]), np.array([end]), np.array([8]),
+                        np.array([True]))
+        assert got.kept[0] == 8
+    t = pool.add(0)
+    got = pool.step(matrix, np.array([0]), np.array([t]), np.array([0]), np.array([100]), np.array([8]),
+                    np.array([False]))
+    assert got.lengths[0] == 8 and np.all(got.p_kept[0, :8] > fresh + 0.2)
+
+
+def test_growth_work_per_step_is_bounded_at_any_context():
+    # Two rows grow from 20k to 140k tokens, 64 a step: their rooms double at 32k, 64k and 128k. No step may write
+    # more than the migration budget (MIGRATE_WORK units, and MIGRATE_PER_TOKEN per appended token), whatever the
+    # context: growth never copies a whole room in one step.
+    from lookup_decode.core.pool import _HASH_PER_WORK, MIGRATE_PER_TOKEN, MIGRATE_WORK
+    rng = np.random.default_rng(0)
+    end, per_step = 140_000, 64
+    matrix = np.resize(rng.integers(3, 5000, size=997), (2, end)).astype(np.int32)
+    pool = IndexPool(8)
+    slots = np.array([pool.add(20_000), pool.add(20_000)])
+    rows, limits = np.arange(2), np.full(2, 8)
+    pool.step(matrix, rows, slots, np.zeros(2, np.int64), np.full(2, 20_000), limits, np.zeros(2, np.bool_))
+    most, n = 0, 20_000
+    while n + per_step <= end:
+        before = pool.copied
+        got = pool.step(matrix, rows, slots, np.full(2, n), np.full(2, n + per_step), limits, np.ones(2, np.bool_))
+        most = max(most, pool.copied - before)
+        n += per_step
+    assert pool.swaps == 6 and pool.cap[slots].tolist() == [262_144, 262_144]
+    budget = MIGRATE_WORK + MIGRATE_PER_TOKEN * 2 * per_step
+    assert most <= budget * max(12 * _HASH_PER_WORK, 4 + 16 * 2 + 12 * 3 + 12 * 8 + 8), most
+    assert got.lengths.min() > 0 and pool.tokens(int(slots[0])).tolist() == matrix[0, :n].tolist()
+
+
+def test_growth_reports_what_reserve_adds():
+    # Before every step, growth() (what a memory bound checks) equals the change of pool.bytes the step's reserve
+    # makes: a room grown now, or a growing copy started.
+    rng = np.random.default_rng(1)
+    matrix = np.resize(rng.integers(3, 5000, size=997), (2, 12_000)).astype(np.int32)
+    pool = IndexPool(8)
+    pool.migrate_from = 1024
+    slots = np.array([pool.add(0), pool.add(0)])
+    n, seen = np.array([0, 0]), set()
+    while n.max() < 11_000:
+        more = np.array([int(rng.integers(1, 40)), int(rng.integers(1, 3000 if rng.random() < 0.05 else 40))])
+        expect = pool.growth(slots, more).sum()
+        before = pool.bytes
+        pool.reserve(slots, more)
+        assert pool.bytes - before == expect
+        seen.add("copy" if pool.copies else "none")
+        pool.step(matrix, np.arange(2), slots, n, n + more, np.full(2, 8), n > 0)
+        n = n + more
+    assert pool.swaps > 0 and "copy" in seen

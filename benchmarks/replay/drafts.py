@@ -3,8 +3,7 @@
     python -m benchmarks.replay.drafts                      # all sets with real outputs, caps 10 and 32
     python -m benchmarks.replay.drafts --limit 20           # quick: 20 pairs per set
     python -m benchmarks.replay.drafts --tree-widths 1 2 4  # trees of candidates: best of w branches
-    python -m benchmarks.replay.drafts --measure-priors --limit 60 --caps 32       # DraftPolicy's acceptance priors
-    python -m benchmarks.replay.drafts --prior-factors 1.0 0.6 --skip 60 --limit 200   # the first-token prior factor
+    python -m benchmarks.replay.drafts --measure-priors --limit 60 --caps 32       # acceptance per match length
 
 Each pair is tokenized with the default model's tokenizer (prompt through the chat template, the
 output as plain text) and replayed with `lookup_decode.engines.replay.replay`: at every step the proposer
@@ -30,13 +29,8 @@ Studies on the same pairs, each instead of the proposer comparison:
   (what tree verification keeps, greedy). Writes tree_potential.{json,md}: tokens per step and tree
   nodes (draft tokens) per step, the forward size a tree costs.
 * --measure-priors: acceptance per match-length bucket of lookup_decode's drafts (a1 = P(first draft
-  token kept), a2 = P(next kept | previous kept)), pooled over the sets, beside the priors in
-  lookup_decode/policy.py. Printed.
-* --prior-factors: the adaptive policy with its first-draft-token prior scaled by each factor, every
-  step priced with the forward cost measured on this machine at the prompt's context (--cost-grid,
-  the scaling study's), on pairs the priors were not measured on (--skip the first 60). Prints the
-  median projected speed-up after the first 8/16/32/64 tokens, over whole outputs and its
-  geometric mean, per factor and set.
+  token kept), a2 = P(next kept | previous kept)), pooled over the sets. Printed. (The acceptance model has no
+  priors since issue 27, `core.acceptance`; its calibration is `benchmarks.replay.calibration`'s study.)
 No model and no timing in any of them (µs per step aside).
 """
 
@@ -61,11 +55,12 @@ from benchmarks.harness.baselines import (
 )
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
+from lookup_decode.core.acceptance import N_BUCKETS
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.draft import kept_prefix
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.core.policy import MEASURED_FIRST, PRIOR_LATER, DraftPolicy, bucket
+from lookup_decode.core.policy import DraftPolicy, bucket
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.engines.hf.models import load_tokenizer
@@ -240,7 +235,7 @@ class Recorder:
 def prior_counts(pairs, cap: int, eos) -> np.ndarray:
     """[bucket, (first kept, first tried, later kept, later tried)] over every drafting step of the replay of
     lookup_decode's SuffixIndex (default rules, every draft verified) on each pair."""
-    counts = np.zeros((len(MEASURED_FIRST), 4))
+    counts = np.zeros((N_BUCKETS, 4))
     for prompt, output in pairs:
         drafter = Recorder(PROPOSERS["lookup_decode"](prompt, output, cap, eos))
         replay(drafter, output, cap)
@@ -254,39 +249,12 @@ def prior_counts(pairs, cap: int, eos) -> np.ndarray:
 def priors_text(counts: np.ndarray) -> str:
     a1 = counts[:, 0] / np.maximum(counts[:, 1], 1)
     a2 = counts[:, 2] / np.maximum(counts[:, 3], 1)
-    lines = ["bucket (match len)   steps   a1 measured (prior)   a2 measured (prior)"]
+    lines = ["bucket (match len)   steps   a1 measured   a2 measured"]
     for b in range(len(counts)):
         lo = 1 << b
         label = f">= {lo}" if b == len(counts) - 1 else (f"{lo}" if lo == 1 else f"{lo}-{2 * lo - 1}")
-        lines.append(f"{label:>18} {int(counts[b, 1]):>7}   {a1[b]:.2f} ({MEASURED_FIRST[b]:.2f})"
-                     f"           {a2[b]:.2f} ({PRIOR_LATER[b]:.2f})")
-    lines.append("MEASURED_FIRST = np.array([" + ", ".join(f"{x:.2f}" for x in a1) + "])")
-    lines.append("PRIOR_LATER = np.array([" + ", ".join(f"{x:.2f}" for x in a2) + "])")
+        lines.append(f"{label:>18} {int(counts[b, 1]):>7}   {a1[b]:.2f}          {a2[b]:.2f}")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ --prior-factors
-
-PRIOR_LENGTHS = [8, 16, 32, 64]
-
-
-def prior_factor_lines(pairs: dict, factors: list[float], cost_grid: str, eos):
-    """Per factor and set: median projected speed-up after the first L tokens, over whole outputs, and
-    the geometric mean over whole outputs (lookup_decode, adaptive, priced at each prompt's context)."""
-    from benchmarks.e2e.scaling import projected
-    from benchmarks.micro.cost_grid import CostGrid
-    grid = json.loads(Path(cost_grid).read_text())
-    cost = CostGrid(grid["contexts"], grid["sizes"], grid["seconds"])
-    yield "factor  set            n   " + "  ".join(f"L={n:<4}" for n in PRIOR_LENGTHS) + "  whole  geo-mean"
-    for factor in factors:
-        for name, ps in pairs.items():
-            rows = [projected("lookup_decode", p, o, cost, eos, PRIOR_LENGTHS, first_prior_factor=factor)
-                    for p, o in ps]
-            at = np.array([[np.nan if x is None else x for x in r["speedup_at"]] for r in rows], dtype=float)
-            whole = np.array([r["speedup"] for r in rows])
-            cells = "  ".join(f"x{np.nanmedian(at[:, i]):<5.2f}" for i in range(len(PRIOR_LENGTHS)))
-            yield (f"{factor:<6}  {name:<12} {len(ps):>4}   {cells}  x{np.median(whole):.2f}  "
-                   f"x{np.exp(np.log(whole).mean()):.2f}")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -307,31 +275,20 @@ def main(argv=None) -> int:
     study.add_argument("--tree-widths", type=int, nargs="+", default=None,
                        help="instead: trees of up to w branches per step (writes tree_potential.json/.md)")
     study.add_argument("--measure-priors", action="store_true",
-                       help="instead: print acceptance per match-length bucket beside DraftPolicy's priors")
-    study.add_argument("--prior-factors", type=float, nargs="+", default=None,
-                       help="instead: print projected speed-ups of the adaptive policy per first-token prior factor")
-    ap.add_argument("--cost-grid", default=str(RESULTS / "scaling" / "cost_grid.json"),
-                    help="--prior-factors: forward cost by context (scaling study; default: the committed one)")
+                       help="instead: print acceptance per match-length bucket")
     ap.add_argument("--out", default=str(RESULTS / "replay"),
                     help="output folder (replay.json, replay.md; tree_potential.json/.md with --tree-widths)")
     args = ap.parse_args(argv)
 
     tokenizer = load_tokenizer(args.model)
     eos = eos_of(tokenizer)
-    # --prior-factors reports the speed-up after the first 8 tokens: shorter outputs have none.
-    min_tokens = PRIOR_LENGTHS[0] if args.prior_factors else 1
     pairs = {name: ps[args.skip:] for name, ps in
-             real_pairs(tokenizer, args.sets, args.limit, min_tokens, progress=True).items()}
+             real_pairs(tokenizer, args.sets, args.limit, 1, progress=True).items()}
     SuffixIndex([1, 2, 1, 2], min_match=1).propose(2)  # compile the index kernels before timing
     if args.measure_priors:
         print(f"$ {command_line()}")
         for cap in args.caps:
             print(f"cap {cap}:\n" + priors_text(sum(prior_counts(ps, cap, eos) for ps in pairs.values())))
-        return 0
-    if args.prior_factors:
-        print(f"$ {command_line()}")
-        for line in prior_factor_lines(pairs, args.prior_factors, args.cost_grid, eos):
-            print(line, flush=True)
         return 0
     if args.tree_widths:
         rows = [{"set": s, "cap": cap, "width": w, **replay_tree(ps, cap, w, eos)}

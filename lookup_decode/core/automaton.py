@@ -175,6 +175,19 @@ def extend(toks, slen, slink, sfirst, shead, etok, eto, enext, hkey, hval, meta,
 
 
 @njit(cache=True, nogil=True)
+def branched(shead, enext, state):
+    """1 if `state` has more than one outgoing edge (the text went on in more than one way after it), else 0."""
+    e = shead[state]
+    return 1 if e != -1 and enext[e] != -1 else 0
+
+
+@njit(cache=True, nogil=True)
+def match_branched(slink, shead, enext, meta):
+    """`branched` of the state of the current match (the longest suffix that occurred before: link(last))."""
+    return branched(shead, enext, slink[meta[LAST]])
+
+
+@njit(cache=True, nogil=True)
 def rehash(shead, etok, enext, n_states, hkey, hval):
     """Rebuild the (state, token) -> edge table into an empty, larger `hkey`/`hval`."""
     for s in range(n_states):

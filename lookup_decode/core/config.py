@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The corpus rule of `sources.proposer.SourcesProposer` and `core.pool.IndexPool`: while the request has a draft of
+# its own, a corpus draft must rest on at least CORPUS_MIN_MATCH tokens; when it has none, ALONE_MIN_MATCH suffice
+# (chosen by offline replay: benchmarks/results/memory_replay/).
+CORPUS_MIN_MATCH = 4
+ALONE_MIN_MATCH = 2
+
 
 def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):

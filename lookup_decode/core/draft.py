@@ -28,6 +28,8 @@ class Draft:
     match_len: int = 0                  # length of the matched suffix behind the tokens (0: none)
     probs: "object | None" = None       # torch float [n, V]: q each token was sampled from (None: point masses)
     parents: np.ndarray | None = None   # int32 [n]: parent node, -1 = the last committed token (None: a chain)
+    branched: bool = False              # the matched context went on differently before (its state has > 1 edge)
+    source: int = 0                     # 0 the request's own text, 1 + c corpus c (memory, references)
 
     def __post_init__(self):
         tokens = np.asarray(self.tokens)
@@ -75,14 +77,16 @@ class Draft:
             return self                 # nothing to cut (immutable: the same value serves)
         chain = self.chain[:n]
         if self.parents is None or tree_nodes == 0 or n == 0:
-            return Draft(chain, self.match_len, None if self.probs is None else self.probs[:n])
+            return Draft(chain, self.match_len, None if self.probs is None else self.probs[:n],
+                         branched=self.branched, source=self.source)
         keep = np.flatnonzero(self.depth <= n)[:tree_nodes]
         if len(keep) <= len(chain):
-            return Draft(chain, self.match_len)
+            return Draft(chain, self.match_len, branched=self.branched, source=self.source)
         new_index = np.full(len(self.tokens), -1, np.int64)
         new_index[keep] = np.arange(len(keep))
         parents = np.where(self.parents[keep] < 0, -1, new_index[np.maximum(self.parents[keep], 0)])
-        return Draft(self.tokens[keep], self.match_len, parents=parents.astype(np.int32))
+        return Draft(self.tokens[keep], self.match_len, parents=parents.astype(np.int32), branched=self.branched,
+                     source=self.source)
 
 
 EMPTY = Draft(np.zeros(0, np.int32))

@@ -139,7 +139,8 @@ class SuffixIndex:
             return Draft(np.zeros(0, np.int32), self.match_len)
         start = int(self._meta[K.MATCH_END]) + 1
         d = K.draft_length(self._toks, len(self), start, int(max_tokens), self.eos)
-        return Draft(self._toks[start:start + d], self.match_len)      # Draft copies its tokens
+        branched = bool(K.match_branched(self._slink, self._shead, self._enext, self._meta))
+        return Draft(self._toks[start:start + d], self.match_len, branched=branched)      # Draft copies its tokens
 
     # Matching another text against this one (session memory, reference documents): the index is
     # only read, so one index serves any number of cursors; `new_cursor` gives a fresh one.

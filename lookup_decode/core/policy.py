@@ -1,12 +1,12 @@
 """How many draft tokens to verify this step: expected emitted tokens per unit of forward cost.
 
-Acceptance is estimated online from what the model actually emitted, per bucket of match length (a
-40-token match is far better evidence than a 2-token one). Each step picks the draft width w (tokens
-per row in the verify forward) that maximizes E[tokens emitted by all rows | w] / cost(w), with the
-measured cost of `cost.py`; w = 1 is plain decoding, so drafting only happens where it is expected to
-pay. One sequence is a batch of one. Then `fit` turns the chosen length into the draft to send: a
-cut chain, a tree pruned to the tokens the cost curve gives for free, or (compiled forwards) a
-chain rounded up to one of a few bucketed sizes.
+Acceptance is estimated online from what the model actually emitted (the model of `core.acceptance`: match
+length, position, copy rate, branching, source, temperature; pooled over the rows, per-request deviations).
+Each step picks the draft width w (tokens per row in the verify forward) that maximizes E[tokens emitted by all
+rows | w] / cost(w), with the measured cost of `cost.py`; w = 1 is plain decoding, so drafting only happens where
+it is expected to pay. One sequence is a batch of one. Then `fit` turns the chosen length into the draft to send:
+a cut chain, a tree pruned to the tokens the cost curve gives for free, or (compiled forwards) a chain rounded up
+to one of a few bucketed sizes.
 """
 
 from __future__ import annotations
@@ -14,32 +14,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from lookup_decode.core import acceptance as A
 from lookup_decode.core.config import check_k
 from lookup_decode.core.draft import Draft, kept_prefix
 
-_N_BUCKETS = 8          # match length buckets: 1, 2-3, 4-7, ..., >= 128 (powers of two)
-_FORGET = 0.97          # per observation; recent behaviour matters more (output style drifts)
-# Prior acceptance per match-length bucket: P(first draft token kept) and P(next kept | previous kept),
-# from offline replay on real large-model outputs; the first-token prior is scaled by FIRST_PRIOR_FACTOR
-# (a request's first decisions are fresh matches, wrong more often than copies being followed).
-# How they were measured, and the replay behind the factor: benchmarks/results/replay/priors.md.
-MEASURED_FIRST = np.array([0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99])
-PRIOR_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
-FIRST_PRIOR_FACTOR = 0.6
-# Worth a few observations only: each request's own acceptance takes over within a few steps.
-_PRIOR_WEIGHT = 4.0
-_ROWS_IN_TURN = 4       # observe_rows: up to this many rows, one observe per row
 # Forward sizes (1 + draft length) of a compiled forward: log2(k) + 1 shapes instead of k + 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def prior_counts(first_prior_factor: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The acceptance counts a request starts from: [bucket, (kept, tried)] float64 [_N_BUCKETS, 2] for the first
-    draft position and for later ones, the prior rates with the weight of _PRIOR_WEIGHT observations."""
-    factor = FIRST_PRIOR_FACTOR if first_prior_factor is None else first_prior_factor
-    first = np.stack([factor * MEASURED_FIRST * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
-    later = np.stack([PRIOR_LATER * _PRIOR_WEIGHT, np.full(_N_BUCKETS, _PRIOR_WEIGHT)], axis=1)
-    return first, later
+bucket, buckets = A.bucket, A.buckets          # the match-length buckets of the acceptance model
 
 
 def ragged_lengths(p_kept: np.ndarray, available: np.ndarray, token_cost: float) -> np.ndarray:
@@ -84,67 +65,82 @@ def _ragged(p_kept, available, token_cost, out):
         out[order[m] // k] += 1
 
 
-def bucket(match_len: int) -> int:
-    """Match-length bucket 0.._N_BUCKETS - 1: 1, 2-3, 4-7, ... (powers of two)."""
-    return min(max(int(match_len), 1).bit_length() - 1, _N_BUCKETS - 1)
-
-
-def buckets(match_lens: np.ndarray) -> np.ndarray:
-    """`bucket` of every match length at once, int64 [r]."""
-    m = np.maximum(np.asarray(match_lens, dtype=np.int64), 1)
-    # bit_length(m) - 1 == floor(log2(m)); frexp is exact for every int64 a match length can be.
-    return np.minimum(np.frexp(m.astype(np.float64))[1] - 1, _N_BUCKETS - 1)
-
-
 class DraftPolicy:
     """Chooses the draft width per step and learns acceptance from the tokens emitted.
 
-    Acceptance model per match-length bucket: a1 = P(first draft token kept), a2 = P(next kept |
-    previous kept), so E[emitted | d] = 1 + a1 (1 + a2 + ... + a2^(d-1)). Counts decay with
-    `_FORGET`. Learning never needs a verification: every step compares the *whole* proposed
-    draft with the tokens that were then emitted, so even when nothing is verified (d = 0) the
+    The probability that draft token j of a row is kept is `core.acceptance`'s model: pooled over every row this
+    policy serves (one generate call: a sequence or a batch), each row a request with its own deviation and copy
+    rate, so E[emitted | d] = 1 + p_0 + ... + p_(d-1). Learning never needs a verification: every step compares the
+    *whole* proposed draft with the tokens that were then emitted, so even when nothing is verified (d = 0) the
     policy keeps learning whether drafting would have paid.
 
     Args:
         k: the most draft tokens ever verified in one step.
         cost: measured forward cost (a `CostCurve`); None disables adaptation (always
             verify min(k, draft) tokens).
-        first_prior_factor: scales the prior of the first draft token (replay studies vary it).
+        temperature: the sampling temperature of the rows (0: greedy); a sampled row keeps a draft token with the
+            target's probability of it, so it has cells of its own.
+        counts: the pooled counts to learn into (`acceptance.new_counts()`), shared by every policy given the same
+            array: an engine's evidence across calls (the transformers hook keeps one per model); None: a new pool.
+    Attributes:
+        last_p: float64 [r, max draft length] the probabilities the last `choose` priced its rows' drafts with.
     """
 
-    def __init__(self, k: int, cost=None, *, first_prior_factor: float = FIRST_PRIOR_FACTOR):
+    def __init__(self, k: int, cost=None, *, temperature: float = 0.0, counts: np.ndarray | None = None):
         self.k = check_k(k)
         self.cost = cost
-        self.first, self.later = prior_counts(first_prior_factor)
-        self._powers = np.arange(self.k + 1, dtype=np.float64)
+        self.temperature = float(temperature)
+        self.counts = A.new_counts() if counts is None else counts
+        self.requests = A.new_requests(1)
+        self.last_p = np.zeros((0, 0))
 
-    def expected_emitted(self, match_len: int, max_d: int) -> np.ndarray:
-        """E[tokens emitted | d] for d = 0..max_d, float64 [max_d + 1]."""
-        return self.expected_table(np.array([match_len]), max_d)[0]
+    def _rows(self, n: int, rows) -> np.ndarray:
+        """Row ids (int64 [n]) of the drafts of a step: their requests' states (grown as rows appear)."""
+        rows = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        top = int(rows.max(initial=0)) + 1
+        if top > len(self.requests):
+            self.requests = np.concatenate([self.requests, A.new_requests(max(top, 2 * len(self.requests))
+                                                                          - len(self.requests))])
+        return rows
 
-    def expected_table(self, match_lens: np.ndarray, max_d: int) -> np.ndarray:
-        """E[tokens emitted | d] of rows backed by match_lens (int [r]), d = 0..max_d: float64 [r, max_d + 1]."""
-        b = buckets(match_lens)
-        a1 = self.first[b, 0] / self.first[b, 1]
-        a2 = self.later[b, 0] / self.later[b, 1]
-        kept_after_first = np.zeros((len(b), max_d + 1))
-        np.cumsum(a2[:, None] ** self._powers[:max_d], axis=1, out=kept_after_first[:, 1:])
-        return 1.0 + a1[:, None] * kept_after_first
+    def _features(self, drafts: list[Draft]):
+        n = len(drafts)
+        return (np.array([d.match_len for d in drafts], np.int64), np.array([d.branched for d in drafts], np.int64),
+                np.array([d.source for d in drafts], np.int64), np.full(n, self.temperature))
 
-    def choose(self, drafts: list[Draft]) -> int:
+    def p_kept(self, drafts: list[Draft], rows=None) -> np.ndarray:
+        """float64 [r, max chain length]: P(tokens 0..j of row i's chain kept), zeros past its length.
+
+        rows: each draft's row (its request) in this policy, default 0..r-1."""
+        rows = self._rows(len(drafts), rows)
+        lengths = np.array([min(len(d.chain), self.k) for d in drafts], np.int64)
+        out = np.zeros((len(drafts), int(lengths.max(initial=0))))
+        A.predict_rows(self.counts, self.requests, rows, *self._features(drafts), lengths, out)
+        return out
+
+    def expected_table(self, drafts: list[Draft], max_d: int, rows=None) -> np.ndarray:
+        """E[tokens emitted | d] of each row, d = 0..max_d: float64 [r, max_d + 1] (flat past a row's draft)."""
+        p = self.p_kept(drafts, rows)
+        table = np.ones((len(drafts), max_d + 1))
+        w = min(p.shape[1], max_d)
+        np.cumsum(p[:, :w], axis=1, out=table[:, 1: w + 1])
+        table[:, 1: w + 1] += 1.0
+        table[:, w + 1:] = table[:, w: w + 1]
+        return table
+
+    def choose(self, drafts: list[Draft], rows=None) -> int:
         """Draft width w (tokens per row in the verify forward, 1 = no draft) maximizing E[emitted] / cost(w).
 
         Each row drafts min(len(its chain), w - 1) tokens: within one padded forward a row's extra
-        draft tokens cost nothing more, so only the common width is a choice. All rows at once (one
-        table of E[emitted | d] per row): a batch of 64 rows costs a few array operations, not 64 loops.
+        draft tokens cost nothing more, so only the common width is a choice. Sets `last_p`.
         """
-        lengths = np.array([min(len(d.chain), self.k) for d in drafts], dtype=np.int64)
-        max_d = int(lengths.max(initial=0))
+        p = self.p_kept(drafts, rows)
+        self.last_p = p
+        max_d = p.shape[1]
         if max_d == 0 or self.cost is None:
             return max_d + 1
-        table = self.expected_table(np.array([d.match_len for d in drafts]), max_d)     # [r, max_d + 1]
-        # Row i drafts min(d, n_i) tokens at width d + 1.
-        gain = np.take_along_axis(table, np.minimum(np.arange(max_d + 1)[None, :], lengths[:, None]), 1).sum(0)
+        # Row i's E[emitted] at width d + 1: 1 + its first min(d, n_i) probabilities (p is zero past n_i).
+        gain = len(drafts) + np.concatenate([[0.0], np.cumsum(p.sum(0))])
         return int(np.argmax(gain / self.cost.prices(max_d + 1))) + 1
 
     def tree_budget(self, n: int) -> int | None:
@@ -173,50 +169,16 @@ class DraftPolicy:
         d = next((b for b in fitting if b >= n + 1), fitting[-1]) - 1
         chain = full.chain
         tokens = chain[:d] if d <= len(chain) else np.concatenate([chain, np.zeros(d - len(chain), chain.dtype)])
-        return Draft(tokens, full.match_len)
+        return Draft(tokens, full.match_len, branched=full.branched, source=full.source)
 
-    def observe(self, draft: Draft, emitted) -> None:
-        """Learn from the full proposed draft and the tokens this step emitted (int [e])."""
-        chain = draft.chain
-        n = min(len(chain), len(emitted))
-        if n == 0:
-            return
-        b = bucket(draft.match_len)
-        kept = kept_prefix(chain, emitted)
-        self.first[b] *= _FORGET
-        self.later[b] *= _FORGET
-        self.first[b] += (1.0 if kept > 0 else 0.0, 1.0)
-        self.later[b] += (max(kept - 1, 0), min(kept, n - 1))    # later positions actually decided
+    def observe(self, draft: Draft, emitted, row: int = 0) -> None:
+        """Learn from row `row`'s full proposed draft and the tokens this step emitted (int [e])."""
+        self.observe_rows([draft], [emitted], [row])
 
-    def observe_rows(self, drafts: list[Draft], emitted: list) -> None:
-        """`observe` for every row of a step; the same result as observing them one by one, in order.
-
-        Observing m rows of one bucket in turn gives counts F^m * old + sum_i F^(m-1-i) x_i (F = _FORGET):
-        computed with one weight per row instead of m sequential updates. A few rows are observed in turn
-        (the array set-up costs more than it saves there)."""
-        if len(drafts) <= _ROWS_IN_TURN:
-            for d, e in zip(drafts, emitted):
-                self.observe(d, e)
-            return
+    def observe_rows(self, drafts: list[Draft], emitted: list, rows=None) -> None:
+        """`observe` for every row of a step (rows: as for `p_kept`), in order."""
+        rows = self._rows(len(drafts), rows)
         chains = [d.chain for d in drafts]
-        n = np.array([min(len(c), len(e)) for c, e in zip(chains, emitted)], dtype=np.int64)
-        seen = np.flatnonzero(n > 0)
-        if len(seen) == 0:
-            return
-        kept = np.array([kept_prefix(chains[i], emitted[i]) for i in seen], dtype=np.float64)
-        b = buckets(np.array([drafts[i].match_len for i in seen]))
-        count = np.bincount(b, minlength=_N_BUCKETS)
-        # Rank of each row among the rows of its bucket (0 = first observed) -> weight F^(m - 1 - rank).
-        order = np.argsort(b, kind="stable")
-        starts = np.cumsum(count) - count
-        rank = np.empty(len(b), np.int64)
-        rank[order] = np.arange(len(b)) - starts[b[order]]
-        weight = _FORGET ** (count[b] - 1 - rank)
-        decay = (_FORGET ** count)[:, None]
-        # kept > 0 on the first position; later positions: kept - 1 of min(kept, n - 1) decided.
-        first = np.stack([(kept > 0) * weight, weight], 1)
-        later = np.stack([np.maximum(kept - 1, 0) * weight, np.minimum(kept, n[seen] - 1) * weight], 1)
-        self.first = self.first * decay
-        self.later = self.later * decay
-        np.add.at(self.first, b, first)
-        np.add.at(self.later, b, later)
+        decided = np.array([min(len(c), len(e)) for c, e in zip(chains, emitted)], np.int64)
+        kept = np.array([kept_prefix(c, e) for c, e in zip(chains, emitted)], np.int64)
+        A.observe_rows(self.counts, self.requests, rows, *self._features(drafts), decided, kept)

@@ -3,22 +3,29 @@
 An engine that runs its own loop (vLLM) asks once per step for a draft for every row of its batch. Per row
 that is an index extend, a draft and a policy update: microseconds of work, but tens of microseconds of
 Python per row around it, on a path the engine runs serially. The pool keeps every request's automaton in
-shared arenas (one array per buffer kind, each request a region of it) and its acceptance counts (the model
-of `policy.DraftPolicy`) in arrays indexed by slot, so `step` is one numba call over all rows:
+arrays of its own (a numba typed list, one tuple of buffers per slot), the acceptance model's pooled counts
+(`core.acceptance`, one pool for all slots) and each slot's request state, so `step` is one numba call over all
+rows:
 
-    for each row: learn from the tokens emitted since its last draft (the kept prefix of that draft),
-                  extend its index by them, follow them over the shared corpora,
+    for each row: learn from the tokens emitted since its last draft (the kept prefix of that draft);
+    then for each row: extend its index by them, follow them over the shared corpora,
                   draft the longest match's continuation (the rule of `sources.proposer.SourcesProposer`),
-                  and give each draft token's probability of being kept.
+                  and give each draft token's probability of being kept (`acceptance.predict`).
 
-Drafts, match lengths and acceptance counts are those of `SuffixIndex`, `SourcesProposer` and `DraftPolicy`
-for the same token stream (tested against them); how many tokens of each draft to send is the caller's
-choice (`policy.ragged_lengths`).
+Learning every row before drafting any is the order of `core.decode.step` (all rows observe, then all propose), so
+drafts, match lengths and probabilities are those of `SuffixIndex`, `SourcesProposer` and one `DraftPolicy` for
+the same token streams (tested against them); how many tokens of each draft to send is the caller's choice
+(`policy.ragged_lengths`).
 
-Arenas: a slot with room for c tokens owns c token ids, 4 x (2c + 2) state ints, 3 x (3c + 4) edge ints and a
-hash table of the smallest power of two >= 2 (3c + 4) slots (the layout of `SuffixIndex`). Regions are carved
-from the end of each arena; a slot that outgrows its room moves to a region twice as large; freed regions
-are reclaimed by compacting once they are half of an arena.
+Storage: a slot with room for c tokens owns c token ids, 4 x (2c + 2) state ints, 3 x (3c + 4) edge ints and a
+hash table of the smallest power of two >= 2 (3c + 4) slots (the layout of `SuffixIndex`). Growth never stalls a
+step: once a slot holds 3/4 of its room (and its room is at least `migrate_from`), the pool starts building a copy
+of its automaton with twice the room beside it, by re-extending it with the slot's own tokens a bounded amount of
+work per `step` (MIGRATE_WORK + MIGRATE_PER_TOKEN per token the call appends: hash slots filled, then tokens
+re-extended, over all slots of the call), and swaps it in once it has caught up; the automaton is a function of
+its tokens, so the copy is the same automaton.
+Only a slot that outgrows its whole room within one call (a prompt, a big burst) grows there, by copying: work in
+proportion to the tokens that call brings anyway. `copied` counts the bytes every growth wrote.
 """
 
 from __future__ import annotations
@@ -27,24 +34,63 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
+from numba.typed import List
 
+from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
-from lookup_decode.core.config import check_match
+from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match
 from lookup_decode.core.index import MAX_TOKENS, SuffixIndex
-from lookup_decode.core.policy import _FORGET, _N_BUCKETS, prior_counts
-from lookup_decode.core.tokens import as_token_array
+from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
-SEPARATOR = 2**31 - 1              # between a corpus's entries (`sources.corpus`): drafts stop there
-CURSOR_TAIL = 256                  # most tokens a corpus cursor re-walks after its corpus changed (as `Cursor`)
-SHARED_WEIGHT = 16.0               # the replay prior against the observations of all slots (shared_prior)
-SHARED_FORGET = 0.999              # per observation: the shared prior follows the last few thousand
+MIGRATE_WORK = 512                 # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
+MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
+_HASH_PER_WORK = 32
 
 
 def _layout(cap: int) -> tuple[int, int, int]:
     """(states, edges, hash slots) of a slot with room for cap tokens."""
     edges = 3 * cap + 4
     return 2 * cap + 2, edges, 1 << int(np.ceil(np.log2(2 * edges)))
+
+
+def _buffers_for(cap: int, fill: bool = True) -> tuple:
+    """(tok, st, ed, hk, hv) of a slot with room for cap tokens. fill=False: uninitialized (hk must be set to -1
+    before use; the automaton writes every other entry before it reads it), so that allocating costs no time: a
+    freed block is reused from the heap, where zeroing it would be O(room)."""
+    states, edges, hashes = _layout(cap)
+    new = np.zeros if fill else np.empty
+    hk = np.full(hashes, -1, np.int64) if fill else np.empty(hashes, np.int64)
+    return (new(cap, np.int32), new((4, states), np.int32), new((3, edges), np.int32), hk, new(hashes, np.int32))
+
+
+def _bytes_of(cap: np.ndarray) -> np.ndarray:
+    """int64: bytes the buffers of slots with room for cap tokens hold (0 where cap is 0)."""
+    cap = np.asarray(cap, np.int64)
+    edges = 3 * cap + 4
+    hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
+    return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+
+
+def _warm_up(window: int) -> None:
+    """Compile (or load) `automaton.extend` for the argument types `migrate` passes it, now: the first growth of
+    a long context must not wait for numba inside an engine step."""
+    tok, st, ed, hk, hv = _buffers_for(4, fill=False)
+    hk[:] = -1
+    meta = np.zeros(K.META_SIZE, np.int64)
+    K.init_automaton(st[0], st[1], st[2], st[3], meta)
+    src = np.array([1, 2, 1, 2], np.int32)
+    K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
+
+
+@dataclass
+class _Copy:
+    """A slot's automaton being rebuilt with twice the room (see the module docstring)."""
+    cap: int
+    buffers: tuple              # (tok, st, ed, hk, hv) for cap tokens
+    meta: np.ndarray            # int64 [META_SIZE]
+    hashed: int = 0             # hash slots set to -1 so far
+    done: int = 0               # tokens re-extended so far
 
 
 class IndexPool:
@@ -55,15 +101,13 @@ class IndexPool:
         min_match, max_match, eos_token_ids, resync_window: as for `SuffixIndex`.
         corpus_min_match, alone_min_match: the corpus rule of `SourcesProposer` (a corpus draft needs this
             match while the request has a draft of its own / when it has none).
-        first_prior_factor: as for `DraftPolicy`.
-        shared_prior: a new slot starts from the acceptance all slots observed lately (per match-length bucket,
-            the replay prior weighing as SHARED_WEIGHT observations against them), still worth _PRIOR_WEIGHT
-            observations of its own; False: from the replay prior, as `DraftPolicy` does (the parity tests).
+        shared_prior: ignored (kept while engines pass it): the acceptance counts are always pooled over every
+            slot, and a new slot deviates from them by its own evidence (`core.acceptance`).
     """
 
     def __init__(self, k: int, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), resync_window: int = 64,
-                 corpus_min_match: int = 4, alone_min_match: int = 2, first_prior_factor: float | None = None,
-                 shared_prior: bool = False):
+                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
+                 shared_prior: bool | None = None):
         self.k = int(k)
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
@@ -71,35 +115,34 @@ class IndexPool:
         self.window = int(resync_window)
         self.corpus_min_match = min(max(self.min_match, corpus_min_match), self.max_match)
         self.alone_min_match = min(max(self.min_match, alone_min_match), self.corpus_min_match)
-        self.first0, self.later0 = prior_counts(first_prior_factor)
-        self.shared_prior = shared_prior
-        # Every slot's observations, decayed by SHARED_FORGET per observation: [bucket, (kept, tried)].
-        self.seen_first, self.seen_later = np.zeros((_N_BUCKETS, 2)), np.zeros((_N_BUCKETS, 2))
+        self.counts = A.new_counts()                        # the acceptance model's pool, every slot's evidence
         self.slots = 0                                      # slots ever allocated (arrays hold this many rows)
         self.free: list[int] = []
         self.meta = None
+        self._none = _buffers_for(1)                        # the buffers of a free slot
+        self.buffers = List()                               # per slot: (tok, st, ed, hk, hv)
+        self.copies: dict[int, _Copy] = {}                  # slots being rebuilt with twice the room
         self._arrays(64)
-        self.tok = np.zeros(1 << 16, np.int32)
-        self.st = np.zeros((4, 1 << 17), np.int32)
-        self.ed = np.zeros((3, 1 << 17), np.int32)
-        self.hk = np.full(1 << 18, -1, np.int64)
-        self.hv = np.zeros(1 << 18, np.int32)
-        self.used = np.zeros(4, np.int64)                   # bump pointer of each arena: tok, st, ed, hash
-        self.garbage = np.zeros(4, np.int64)
         self.bytes = 0                                      # what the live slots hold (their nbytes, summed)
+        self.copied = 0                                     # bytes written by growth, ever (tests bound it per call)
+        self.migrate_from = 1 << 14                         # smaller rooms grow by copying (a few microseconds)
+        self.migrate_work = MIGRATE_WORK
+        self.swaps = 0                                      # copies swapped in, ever
+        _warm_up(self.window)
+        self.buffers[0] = self.buffers[0]                  # numba compiles typed-list access on first use: now
         self._out = _buffers(64, self.k)
-        self.compact_at = 1 << 20                           # hash slots of garbage before compacting is worth it
-        self.compactions = 0
 
     # -- slot arrays ----------------------------------------------------------------------------------
     def _arrays(self, n: int) -> None:
         """Per-slot arrays for n slots (the values of the slots so far kept)."""
         k = max(self.k, 1)
         spec = {"meta": ((K.META_SIZE,), np.int64, 0),
-                "cap": ((), np.int64, 0), "off": ((4,), np.int64, 0),     # room in tokens; offsets in tok/st/ed/hash
-                "first": ((_N_BUCKETS, 2), np.float64, 0.0), "later": ((_N_BUCKETS, 2), np.float64, 0.0),
+                "cap": ((), np.int64, 0),                                 # room in tokens
+                "request": ((A.REQUEST_SIZE,), np.float64, 0.0),          # its acceptance deviation, copy rate
                 "prev": ((k,), np.int32, 0),                              # each slot's last full draft
                 "prev_len": ((), np.int64, 0), "prev_match": ((), np.int64, 0),
+                "prev_branched": ((), np.int64, 0),                       # its match had branched
+                "prev_temp": ((), np.float64, 0.0),                       # the row's temperature then
                 "prev_src": ((), np.int64, 0),                            # 0: the request; 1 + c: corpus c
                 "prev_end": ((), np.int64, -1),                           # corpus position the draft copied after
                 "prev_ver": ((), np.int64, -1),                           # that corpus's version then
@@ -111,9 +154,11 @@ class IndexPool:
             if old is not None:
                 new[: old.shape[0]] = old
             setattr(self, name, new)
+        while len(self.buffers) < n:
+            self.buffers.append(self._none)
 
     def add(self, n_tokens: int = 0) -> int:
-        """A new slot with room for n_tokens (an index over nothing, prior acceptance counts); returns its number."""
+        """A new slot with room for n_tokens (an index over nothing, no evidence of its own); returns its number."""
         if self.free:
             s = self.free.pop()
         else:
@@ -123,35 +168,24 @@ class IndexPool:
         cap = FIRST_CAP
         while cap < n_tokens:
             cap *= 2
-        self._place(s, min(cap, max(MAX_TOKENS, int(n_tokens))), keep=False)
-        self.first[s], self.later[s] = self.prior()
+        cap = min(cap, max(MAX_TOKENS, int(n_tokens)))
+        buffers = _buffers_for(cap)
+        st = buffers[1]
+        K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
+        self.buffers[s], self.cap[s] = buffers, cap
+        self.bytes += int(_bytes_of(cap))
+        self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
         self.cursor[s] = SuffixIndex.new_cursor()
         self.cursor_ver[s] = -1
         return s
 
-    def prior(self) -> tuple[np.ndarray, np.ndarray]:
-        """The acceptance counts a new slot starts from (float64 [_N_BUCKETS, 2] each, first and later positions)."""
-        if not self.shared_prior:
-            return self.first0.copy(), self.later0.copy()
-        out = []
-        for prior, seen in ((self.first0, self.seen_first), (self.later0, self.seen_later)):
-            rate = (prior[:, 0] * SHARED_WEIGHT / prior[:, 1] + seen[:, 0]) / (SHARED_WEIGHT + seen[:, 1])
-            out.append(np.stack([rate * prior[:, 1], prior[:, 1]], axis=1))
-        return out[0], out[1]
-
     def remove(self, s: int) -> None:
-        """Free slot s (its regions become garbage, reclaimed by the next compaction)."""
-        states, edges, hashes = _layout(int(self.cap[s]))
-        self.garbage += (int(self.cap[s]), states, edges, hashes)
-        self.bytes -= int(self._bytes_of(self.cap[s: s + 1])[0])
-        self.cap[s] = 0
+        """Free slot s (its buffers are dropped)."""
+        self.bytes -= int(self.nbytes([s])[0])
+        self.copies.pop(s, None)
+        self.buffers[s], self.cap[s] = self._none, 0
         self.free.append(s)
-        self._maybe_compact()
-
-    def _maybe_compact(self) -> None:
-        if 2 * self.garbage[3] > self.used[3] and self.garbage[3] > self.compact_at:
-            self._compact()
 
     def length(self, slots) -> np.ndarray:
         """int64 [r]: tokens indexed in each slot."""
@@ -159,108 +193,111 @@ class IndexPool:
 
     def tokens(self, s: int) -> np.ndarray:
         """The text of slot s, int32 [n] (a copy)."""
-        o = int(self.off[s, 0])
-        return self.tok[o: o + int(self.meta[s, K.N_TOKENS])].copy()
+        return self.buffers[s][0][: int(self.meta[s, K.N_TOKENS])].copy()
 
     def nbytes(self, slots) -> np.ndarray:
-        """int64 [r]: bytes each slot holds in the arenas (its room, as `SuffixIndex.nbytes` counts it)."""
-        return self._bytes_of(self.cap[np.asarray(slots, np.int64)])
+        """int64 [r]: bytes each slot holds (its room, as `SuffixIndex.nbytes` counts it, and a growing copy's)."""
+        slots = np.asarray(slots, np.int64)
+        extra = np.array([self.copies[s].cap if s in self.copies else 0 for s in slots.tolist()], np.int64)
+        return _bytes_of(self.cap[slots]) + _bytes_of(extra)
 
-    # -- regions --------------------------------------------------------------------------------------
-    def _region(self, arena: int, size: int) -> int:
-        """Offset of `size` fresh elements at the end of arena `arena`, growing it (by doubling) if needed."""
-        names = ("tok", "st", "ed", "hk")
-        need = int(self.used[arena]) + size
-        have = getattr(self, names[arena]).shape[-1]
-        if need > have:
-            new = max(2 * have, need)
-            if arena == 3:
-                self.hk = np.concatenate([self.hk, np.full(new - have, -1, np.int64)])
-                self.hv = np.concatenate([self.hv, np.zeros(new - have, np.int32)])
-            else:
-                a = getattr(self, names[arena])
-                b = np.zeros(a.shape[:-1] + (new,), a.dtype)
-                b[..., :have] = a
-                setattr(self, names[arena], b)
-        at = int(self.used[arena])
-        self.used[arena] = need
-        return at
-
-    def _place(self, s: int, cap: int, keep: bool) -> None:
-        """Give slot s regions for cap tokens; keep=True moves its automaton there (rehashed), else starts empty."""
-        states, edges, hashes = _layout(cap)
-        off = [self._region(0, cap), self._region(1, states), self._region(2, edges), self._region(3, hashes)]
-        self.hk[off[3]: off[3] + hashes] = -1
-        if keep:
-            old, n_st = self.off[s].copy(), int(self.meta[s, K.N_STATES])
-            n_tok, n_ed = int(self.meta[s, K.N_TOKENS]), int(self.meta[s, K.N_EDGES])
-            self.tok[off[0]: off[0] + n_tok] = self.tok[old[0]: old[0] + n_tok]
-            self.st[:, off[1]: off[1] + n_st] = self.st[:, old[1]: old[1] + n_st]
-            self.ed[:, off[2]: off[2] + n_ed] = self.ed[:, old[2]: old[2] + n_ed]
-            o_states, o_edges, o_hashes = _layout(int(self.cap[s]))
-            self.garbage += (int(self.cap[s]), o_states, o_edges, o_hashes)
-            K.rehash(self.st[3, off[1]: off[1] + states], self.ed[0, off[2]: off[2] + edges],
-                     self.ed[2, off[2]: off[2] + edges], n_st, self.hk[off[3]: off[3] + hashes],
-                     self.hv[off[3]: off[3] + hashes])
-        self.bytes += int(self._bytes_of(np.array([cap]))[0] - self._bytes_of(self.cap[s: s + 1])[0])
-        self.off[s], self.cap[s] = off, cap
-        if not keep:
-            st = self.st[:, off[1]: off[1] + states]
-            K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
-
-    def _bytes_of(self, cap: np.ndarray) -> np.ndarray:
-        edges = 3 * cap + 4
-        hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
-        return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+    # -- growth -------------------------------------------------------------------------------------
+    def _next_cap(self, cap: int, need: int) -> int:
+        while cap < need:
+            cap *= 2
+        return min(cap, max(MAX_TOKENS, need))
 
     def growth(self, slots, more) -> np.ndarray:
-        """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices)."""
+        """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices): a bigger
+        room now, or the copy with twice the room that starts once a slot holds 3/4 of its room."""
         slots = np.asarray(slots, np.int64)
         cap, need = self.cap[slots], self.meta[slots, K.N_TOKENS] + np.asarray(more, np.int64)
+        have = np.zeros(len(slots), np.int64)
+        if self.copies:
+            have[:] = [self.copies[s].cap if s in self.copies else 0 for s in slots.tolist()]
         out = np.zeros(len(slots), np.int64)
-        grow = np.flatnonzero(need > cap)
+        grow = np.flatnonzero(need > cap)                 # reserve grows these now (a copy is dropped)
         if len(grow):
-            new = np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64))
-            out[grow] = self._bytes_of(np.maximum(new, cap[grow])) - self._bytes_of(cap[grow])
+            new = np.maximum(np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64)), cap[grow])
+            out[grow] = _bytes_of(new) - _bytes_of(cap[grow]) - _bytes_of(have[grow])
+        start = (need <= cap) & (have == 0) & (4 * need > 3 * cap) & (cap >= self.migrate_from) \
+            & (cap < MAX_TOKENS)
+        out[start] = _bytes_of(2 * cap[start])
         return out
 
     def reserve(self, slots: np.ndarray, more: np.ndarray) -> None:
-        """Room for `more[i]` more tokens in slot slots[i] (amortized O(1) per token: rooms double)."""
+        """Room for `more[i]` more tokens in slot slots[i]: a slot past 3/4 of its room gets its bigger copy
+        started (built by `migrate`), one that outgrows its room now grows now (amortized O(1) per token)."""
         need = self.meta[slots, K.N_TOKENS] + more
-        if not (need > self.cap[slots]).any():
-            return
         if need.max(initial=0) > MAX_TOKENS:
             raise ValueError(f"a pool slot holds at most {MAX_TOKENS} tokens (int32 positions)")
-        for i in np.flatnonzero(need > self.cap[slots]):
-            cap = int(self.cap[slots[i]])
-            while cap < need[i]:
-                cap *= 2
-            self._place(int(slots[i]), min(cap, max(MAX_TOKENS, int(need[i]))), keep=True)
-        self._maybe_compact()
+        cap = self.cap[slots]
+        for i in np.flatnonzero(4 * need > 3 * cap):
+            s, n, c = int(slots[i]), int(need[i]), int(cap[i])
+            if n > c:
+                self._grow_now(s, n)
+            elif s not in self.copies and c >= self.migrate_from and c < MAX_TOKENS:
+                buffers = _buffers_for(2 * c, fill=False)
+                meta = np.zeros(K.META_SIZE, np.int64)
+                st = buffers[1]
+                K.init_automaton(st[0], st[1], st[2], st[3], meta)
+                self.copies[s] = _Copy(2 * c, buffers, meta)
+                self.bytes += int(_bytes_of(2 * c))
 
-    def _compact(self) -> None:
-        """Copy the live slots' regions to the front of fresh arenas (no rehash: hash regions move whole)."""
-        self.compactions += 1
-        live = [s for s in range(self.slots) if self.cap[s] > 0]
-        old = (self.tok, self.st, self.ed, self.hk, self.hv, self.off.copy())
-        self.tok, self.st = np.zeros_like(self.tok), np.zeros_like(self.st)
-        self.ed, self.hk, self.hv = np.zeros_like(self.ed), np.full_like(self.hk, -1), np.zeros_like(self.hv)
-        self.used[:], self.garbage[:] = 0, 0
-        tok, st, ed, hk, hv, off = old
-        for s in live:
-            states, edges, hashes = _layout(int(self.cap[s]))
-            new = [self._region(0, int(self.cap[s])), self._region(1, states), self._region(2, edges),
-                   self._region(3, hashes)]
-            self.tok[new[0]: new[0] + self.cap[s]] = tok[off[s, 0]: off[s, 0] + self.cap[s]]
-            self.st[:, new[1]: new[1] + states] = st[:, off[s, 1]: off[s, 1] + states]
-            self.ed[:, new[2]: new[2] + edges] = ed[:, off[s, 2]: off[s, 2] + edges]
-            self.hk[new[3]: new[3] + hashes] = hk[off[s, 3]: off[s, 3] + hashes]
-            self.hv[new[3]: new[3] + hashes] = hv[off[s, 3]: off[s, 3] + hashes]
-            self.off[s] = new
+    def _grow_now(self, s: int, need: int) -> None:
+        """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
+        self.bytes -= int(self.nbytes([s])[0])
+        self.copies.pop(s, None)
+        cap = self._next_cap(int(self.cap[s]), need)
+        old, meta = self.buffers[s], self.meta[s]
+        new = _buffers_for(cap)
+        n_tok, n_st, n_ed = int(meta[K.N_TOKENS]), int(meta[K.N_STATES]), int(meta[K.N_EDGES])
+        new[0][:n_tok] = old[0][:n_tok]
+        new[1][:, :n_st] = old[1][:, :n_st]
+        new[2][:, :n_ed] = old[2][:, :n_ed]
+        K.rehash(new[1][3], new[2][0], new[2][2], n_st, new[3], new[4])
+        self.copied += int(_bytes_of(cap))
+        self.buffers[s], self.cap[s] = new, cap
+        self.bytes += int(_bytes_of(cap))
+
+    def migrate(self, slots, work: int | None = None) -> None:
+        """Advance the growing copies of `slots` by about `work` units in all (a token re-extended, or
+        _HASH_PER_WORK hash slots set; default `migrate_work`); a copy that has caught up with its slot replaces it."""
+        work = self.migrate_work if work is None else work
+        for s in [int(s) for s in slots if int(s) in self.copies]:
+            if work <= 0:
+                return
+            c = self.copies[s]
+            hk, hv = c.buffers[3], c.buffers[4]
+            if c.hashed < len(hk):
+                # The table is empty (-1) before any insertion; writing hv too takes its page faults here, in
+                # order, instead of one per random insertion later.
+                m = min(len(hk) - c.hashed, work * _HASH_PER_WORK)
+                hk[c.hashed: c.hashed + m] = -1
+                hv[c.hashed: c.hashed + m] = 0
+                c.hashed += m
+                work -= -(-m // _HASH_PER_WORK)
+                self.copied += 12 * m
+                continue
+            n = int(self.meta[s, K.N_TOKENS])
+            m = min(n - c.done, work)
+            if m > 0:
+                tok, st, ed, hk, hv = c.buffers
+                K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, c.meta,
+                         self.buffers[s][0][c.done: c.done + m], self.window)
+                c.done += m
+                work -= m
+                self.copied += int(_bytes_of(c.cap) // c.cap) * m
+            if c.done == n:                     # the same tokens, so the same automaton: swap it in
+                self.bytes -= int(_bytes_of(int(self.cap[s])))
+                self.buffers[s], self.cap[s] = c.buffers, c.cap
+                self.meta[s] = c.meta
+                del self.copies[s]
+                self.swaps += 1
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-             limits: np.ndarray, learn: np.ndarray, corpora=()) -> "Step":
+             limits: np.ndarray, learn: np.ndarray, corpora=(), temperatures=None) -> "Step":
         """Learn, extend and draft for every row at once (the returned arrays are reused by the next call).
 
         matrix: int32 [R, L], row rows[i] holding its request's tokens; slot slots[i] has indexed
@@ -268,11 +305,14 @@ class IndexPool:
         limits: int [r], the longest draft each row may get (<= k). learn: bool [r], whether the new tokens
         are what the engine emitted after the slot's last draft (False after a step the caller did not see:
         nothing is learned from them). corpora: up to two (SuffixIndex, version) of shared read-only corpora
-        (`Corpus.reading()`), in tie-break order.
+        (`Corpus.reading()`), in tie-break order. temperatures: float [r], each row's sampling temperature
+        (None: all greedy), priced in cells of its own.
         """
         rows, slots = np.asarray(rows, np.int64), np.asarray(slots, np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
         self.reserve(slots, ends - starts)
+        if self.copies:
+            self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int((ends - starts).sum()))
         r = len(rows)
         if r > self._out.tokens.shape[0]:             # outputs live in buffers reused from call to call
             self._out = _buffers(max(r, 2 * self._out.tokens.shape[0]), self.k)
@@ -284,18 +324,19 @@ class IndexPool:
         c_arrays, versions = [], np.full(2, -1, np.int64)
         for c, (index, version) in enumerate(list(corpora)[:2]):
             c_arrays.append((index._toks, len(index), index._slen, index._slink, index._sfirst, index._eto,
-                             index._hkey, index._hval))
+                             index._hkey, index._hval, index._shead, index._enext))
             versions[c] = version
         while len(c_arrays) < 2:
-            c_arrays.append((empty_i, 0, empty_i, empty_i, empty_i, empty_i, empty_l, empty_i))
+            c_arrays.append((empty_i, 0, empty_i, empty_i, empty_i, empty_i, empty_l, empty_i, empty_i, empty_i))
+        temps = np.zeros(r) if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
         _step(matrix, rows, slots, starts, ends, np.minimum(np.asarray(limits, np.int64), self.k),
               np.asarray(learn, np.bool_),
-              (self.tok, self.st, self.ed, self.hk, self.hv, self.meta, self.cap, self.off),
-              (self.first, self.later, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
-               self.prev_ver, self.seen_first, self.seen_later), (self.cursor, self.cursor_ver),
-              c_arrays[0], c_arrays[1], versions, len(corpora),
+              (self.buffers, self.meta, self.cap),
+              (self.counts, self.request, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
+               self.prev_ver, self.prev_branched, self.prev_temp), (self.cursor, self.cursor_ver),
+              c_arrays[0], c_arrays[1], versions, len(corpora), temps,
               self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match, self.eos, self.stops,
-              self.window, _FORGET, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
+              self.window, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
         return out
 
 
@@ -306,7 +347,8 @@ class Step:
     lengths: np.ndarray         # int64 [r]
     match: np.ndarray           # int64 [r]: match length behind it (capped at max_match)
     source: np.ndarray          # int64 [r]: 0 the request's own index, 1 + c corpus c
-    p_kept: np.ndarray          # float64 [r, k]: probability that draft token j is kept (all before it kept)
+    p_kept: np.ndarray          # float64 [r, k]: probability that draft token j is kept (all before it kept), 0 past
+                                # the row's length
     kept: np.ndarray            # int64 [r]: tokens of the slot's previous full draft the engine kept (-1: not learned)
     credit: np.ndarray          # int64 [r, 3]: (source, corpus version, position) of the draft `kept` refers to
 
@@ -318,28 +360,14 @@ def _buffers(r: int, k: int) -> Step:
 
 
 @njit(cache=True, nogil=True)
-def _bucket(m):
-    b = 0
-    m = max(m, 1)
-    while m > 1:
-        m >>= 1
-        b += 1
-    return min(b, _N_BUCKETS - 1)
-
-
-@njit(cache=True, nogil=True)
 def _views(pool, s):
-    tok, st, ed, hk, hv, meta, cap, off = pool
+    buffers, meta, cap = pool
+    tok, st, ed, hk, hv = buffers[s]
     c = cap[s]
     states = 2 * c + 2
     edges = 3 * c + 4
-    hashes = 1
-    while hashes < 2 * edges:
-        hashes *= 2
-    o = off[s]
-    return (tok[o[0]: o[0] + c], st[0, o[1]: o[1] + states], st[1, o[1]: o[1] + states], st[2, o[1]: o[1] + states],
-            st[3, o[1]: o[1] + states], ed[0, o[2]: o[2] + edges], ed[1, o[2]: o[2] + edges],
-            ed[2, o[2]: o[2] + edges], hk[o[3]: o[3] + hashes], hv[o[3]: o[3] + hashes], meta[s])
+    return (tok[:c], st[0, :states], st[1, :states], st[2, :states], st[3, :states], ed[0, :edges], ed[1, :edges],
+            ed[2, :edges], hk, hv, meta[s])
 
 
 @njit(cache=True, nogil=True)
@@ -357,41 +385,31 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 @njit(cache=True, nogil=True)
 def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursors, corpus0, corpus1, versions,
-          n_corpora, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window, forget,
+          n_corpora, temps, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window,
           out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
-    first, later, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, seen_first, seen_later = policy
+    counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp = policy
     cursor, cursor_ver = cursors
     k = out_tokens.shape[1]
     scratch = np.zeros(k, np.int32)
+    # 1. Learn from the kept prefix of every row's previous full draft (DraftPolicy.observe_rows; SourcesProposer
+    # credit), all rows before any drafts, as decode.step does.
     for i in range(rows.shape[0]):
         s = slots[i]
         new = matrix[rows[i], starts[i]: ends[i]]
-        # 1. Learn from the kept prefix of the previous full draft (DraftPolicy.observe; SourcesProposer credit).
         n = min(prev_len[s], new.shape[0])
         if learn[i] and n > 0:
             kept = 0
             while kept < n and prev[s, kept] == new[kept]:
                 kept += 1
-            b = _bucket(prev_match[s])
-            for j in range(2):
-                first[s, b, j] *= forget
-                later[s, b, j] *= forget
-            first[s, b, 0] += 1.0 if kept > 0 else 0.0
-            first[s, b, 1] += 1.0
-            later[s, b, 0] += max(kept - 1, 0)
-            later[s, b, 1] += min(kept, n - 1)
-            for j in range(2):
-                seen_first[b, j] *= SHARED_FORGET
-                seen_later[b, j] *= SHARED_FORGET
-            seen_first[b, 0] += 1.0 if kept > 0 else 0.0
-            seen_first[b, 1] += 1.0
-            seen_later[b, 0] += max(kept - 1, 0)
-            seen_later[b, 1] += min(kept, n - 1)
+            A.observe(counts, request[s], prev_match[s], prev_branched[s], prev_src[s], prev_temp[s], n, kept)
             out_kept[i] = kept
             out_credit[i, 0] = prev_src[s]
             if prev_src[s] > 0:
                 out_credit[i, 1], out_credit[i, 2] = prev_ver[s], prev_end[s] + 1
         prev_len[s] = 0
+    for i in range(rows.shape[0]):
+        s = slots[i]
+        new = matrix[rows[i], starts[i]: ends[i]]
         # 2. Extend the request's index, and follow the new tokens over each corpus (re-walk after a change).
         v = _views(pool, s)
         if new.shape[0] > 0:
@@ -413,11 +431,13 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
         # 3. Draft: the request's own continuation, unless a corpus has a longer match (SourcesProposer's rule).
         limit = limits[i]
         d, m, src = 0, min(meta[K.MATCH_LEN], max_match), 0
+        br = 0
         if meta[K.MATCH_LEN] >= min_match and limit > 0:
             start = meta[K.MATCH_END] + 1
             d = K.draft_length(v[0], meta[K.N_TOKENS], start, limit, eos)
             for j in range(d):
                 out_tokens[i, j] = v[0][start + j]
+            br = K.match_branched(v[2], v[4], v[7], meta)
         best_d, best_m = d, m
         for c in range(n_corpora):
             corpus = corpus0 if c == 0 else corpus1
@@ -431,17 +451,14 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
                 for j in range(cd):
                     out_tokens[i, j] = scratch[j]
                 prev_end[s], prev_ver[s] = cur[2], versions[c]
+                br = K.branched(corpus[8], corpus[9], cur[0])
         if best_d == 0:
             best_m = m                              # nothing to draft: the request's match, as SourcesProposer
         out_lengths[i], out_match[i], out_source[i] = best_d, best_m, src
         prev_len[s], prev_match[s], prev_src[s] = best_d, best_m, src
+        prev_branched[s], prev_temp[s] = br, temps[i]
         for j in range(best_d):
             prev[s, j] = out_tokens[i, j]
-        # 4. The probability of each draft token being kept: a1 a2^(j-1) (DraftPolicy's model for its bucket).
-        b = _bucket(best_m)
-        a1 = first[s, b, 0] / first[s, b, 1]
-        a2 = later[s, b, 0] / later[s, b, 1]
-        p = a1
-        for j in range(best_d):
-            out_p[i, j] = p
-            p *= a2
+        # 4. The probability of each draft token being kept (the acceptance model, as DraftPolicy prices it).
+        out_p[i, :] = 0.0
+        A.predict(counts, request[s], best_m, br, src, temps[i], best_d, out_p[i])

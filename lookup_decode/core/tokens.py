@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 MAX_TOKEN_ID = 2**31 - 1
+SEPARATOR = MAX_TOKEN_ID       # between a corpus's entries (`sources.corpus`): never a model token, drafts stop there
+CURSOR_TAIL = 256              # most tokens a corpus cursor re-walks after its corpus changed
 
 
 def as_token_array(tokens, what: str = "token ids") -> np.ndarray:

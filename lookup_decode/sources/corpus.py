@@ -33,15 +33,14 @@ from pathlib import Path
 
 import numpy as np
 
+from lookup_decode.core import automaton as K
 from lookup_decode.core.config import check_match
 from lookup_decode.core.draft import Draft
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.core.tokens import as_token_array
+from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
-SEPARATOR = 2**31 - 1          # between entries: the largest id the index accepts, never a model token
 FORMAT = "lookup_decode.corpus"
 FORMAT_VERSION = 1
-_MAX_TAIL = 256                # most tokens a cursor re-walks after the corpus changed
 
 
 class CorpusFileError(ValueError):
@@ -340,7 +339,7 @@ class Cursor:
         new = as_token_array(tokens)
         if new.size == 0:
             return
-        keep = min(self.max_match, _MAX_TAIL)
+        keep = min(self.max_match, CURSOR_TAIL)
         self._tail = np.concatenate([self._tail, new])[-keep:]
         with self.corpus._lock:
             if self._version != self.corpus.version:
@@ -356,10 +355,12 @@ class Cursor:
             if self._state[3] < self.min_match or max_tokens == 0:
                 return Draft(np.zeros(0, np.int32), self.match_len)
             end = int(self._state[2])
-            draft = self.corpus._index.continuation(end, max_tokens, self._stops)
+            index = self.corpus._index
+            draft = index.continuation(end, max_tokens, self._stops)
             if draft.size:
                 self.draft_end, self.draft_version = end, self.corpus.version
-            return Draft(draft, self.match_len)
+            branched = bool(K.branched(index._shead, index._enext, self._state[0]))
+            return Draft(draft, self.match_len, branched=branched)
 
     @property
     def match_len(self) -> int:

@@ -16,17 +16,17 @@ cost), so a source whose drafts get rejected gets short or no verification, as a
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
 
+from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH
 from lookup_decode.core.draft import Draft, kept_prefix
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.sources.corpus import Corpus, Cursor
 
 REQUEST, MEMORY, REFERENCES = "request", "memory", "references"
-CORPUS_MIN_MATCH = 4
-ALONE_MIN_MATCH = 2
 
 
 class SourcesProposer:
@@ -81,7 +81,8 @@ class SourcesProposer:
             return request
         self.drafts_from[self.names[best_src]] += 1
         self._last = (best_src, best.tokens)
-        return best
+        # The source is one of the acceptance model's cells: 0 the request, 1 + c corpus c (as IndexPool numbers it).
+        return dataclasses.replace(best, source=best_src) if best_src else best
 
 
 def check_sources(memory, references) -> list[tuple[str, Corpus]]:

@@ -12,6 +12,7 @@ the package is in `engines.hf`.
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,6 +20,7 @@ import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from lookup_decode.core.acceptance import new_counts
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import COSTS
 from lookup_decode.core.decode import Recorded, Rows, decode
@@ -157,6 +159,22 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     return drafters
 
 
+# The acceptance model's pooled counts per model: every call on a model learns into and prices from one pool (a
+# request alone is too short to learn from scratch). Concurrent calls may lose an update to a race, nothing worse.
+_POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _policy(k: int, generation_config, model) -> DraftPolicy:
+    """The draft policy of one call, over its model's acceptance pool: a sampled call's rows keep drafts at the
+    target's odds, so the model prices them by their temperature (greedy: 0)."""
+    t = float(getattr(generation_config, "temperature", None) or 1.0) if generation_config.do_sample else 0.0
+    try:
+        counts = _POOLS.setdefault(model, new_counts())
+    except TypeError:                   # an object that takes no weak reference: a pool for this call
+        counts = None
+    return DraftPolicy(k, temperature=t, counts=counts)
+
+
 def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call: _Call,
                 cache, model_kwargs):
     """Batches (or a left-padded row): one drafter per row, ragged acceptance (see forward.BatchForward)."""
@@ -177,8 +195,9 @@ def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                            rules=call.rules, hole_share=options.hole_share, min_holes=options.min_holes)
     rows = Rows.start(input_ids, generation_config.max_length, pad_token_id=_pad_token_id(generation_config),
                       do_sample=do_sample, generator=call.generator)
-    sequences = decode(rows, forward, drafters, DraftPolicy(options.k), prompt_mask=mask.to(torch.bool),
-                       stops=_stops(stopping_criteria), stats=call.stats, adaptive=options.adaptive, costs=call.costs)
+    sequences = decode(rows, forward, drafters, _policy(options.k, generation_config, model),
+                       prompt_mask=mask.to(torch.bool), stops=_stops(stopping_criteria), stats=call.stats,
+                       adaptive=options.adaptive, costs=call.costs)
     P, eos = input_ids.shape[1], eos_ids(generation_config)
     for b in range(B if call.sources else 0):  # the memory stores each row's output (up to its EOS)
         for _, corpus in call.sources:
@@ -215,7 +234,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     record = Recorded() if generation_config.return_dict_in_generate else None
     rows = Rows.start(input_ids, generation_config.max_length, do_sample=do_sample, generator=call.generator)
     try:
-        sequences = decode(rows, forward, drafters, DraftPolicy(call.options.k), stops=_stops(stopping_criteria),
+        sequences = decode(rows, forward, drafters, _policy(call.options.k, generation_config, model),
+                           stops=_stops(stopping_criteria),
                            stats=call.stats, streamer=streamer, record=record, adaptive=call.options.adaptive,
                            costs=call.costs)
     finally:  # on every way out (an error, Ctrl-C): a TextIteratorStreamer's reader would otherwise wait forever

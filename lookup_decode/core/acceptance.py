@@ -1,0 +1,208 @@
+"""The acceptance model: the probability that draft token j of a row is kept (it and every token before it), the one
+home of its constants, its cell layout and its rule, for every engine.
+
+p_j = q_0 q_1 ... q_j, where q_j = P(token j kept | tokens before it kept) is estimated in cells of what the replays
+show matters: the temperature of the row (greedy / sampled), the position j, the request's recent copy rate (how much
+of its full proposed drafts the target went on to emit, learned on every step, even one that sent nothing), the
+match length behind the draft (bucket), whether j lies past the matched length, whether the matched context has
+branched before (its automaton state has more than one outgoing edge: the text went on differently after it), and
+the draft's source (0 the request, 1 + c corpus c of the caller's tie-break order: memory, references).
+
+The cells form a hierarchy, each level adding features to its parent's:
+
+    level 0: temperature class x (first position or not)
+    level 1: + position class + copy-rate class
+    level 2: + match bucket + past the match
+    level 3: + branched + source
+
+Counts (kept, tried) are pooled over every row and request of the engine (one `DraftPolicy`, one `IndexPool`), a
+cell forgetting FORGET per observation of it, and a cell's estimate is shrunk to its parent's:
+q_l = (kept_l + BACKOFF q_(l-1)) / (tried_l + BACKOFF), q_(-1) = 1/2. A sparse cell thus says what its parent
+says, a full one what it saw. Each request then deviates from the pool by its own evidence: over the positions it
+decided, the kept tokens K against the pooled predictions P (and the missed M against 1 - q, Q), decayed by
+REQUEST_FORGET per decided position, scale the odds of q by ((K + W) / (P + W)) / ((M + W) / (Q + W)),
+W = REQUEST_WEIGHT: worth a few tokens at first, the request's own rate once it has seen more.
+
+Learning compares a row's *full* proposed draft with the tokens the step then emitted (`observe`): positions
+0..kept were decided (the first `kept` kept, the next one missed if the draft went on), the rest not.
+
+Everything is module-level `@njit` functions over plain arrays: `DraftPolicy` (core/policy.py) calls them from
+Python, `IndexPool`'s kernel (core/pool.py) from inside its compiled step, so both give the same probabilities for
+the same stream. (numba's on-disk cache of that kernel does not notice a change of the constants here: after
+editing one, delete lookup_decode/core/__pycache__/*.nbi.) How calibrated it is on recorded real outputs:
+`python -m benchmarks.replay.calibration` (benchmarks/results/calibration/).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+N_BUCKETS = 8            # match length buckets: 1, 2-3, 4-7, ..., >= 128 (powers of two)
+N_POS = 6                # position classes of draft token j: 0, 1, 2-3, 4-7, 8-15, >= 16
+N_RATE = 4               # copy-rate classes: no evidence yet, < 1/3, < 2/3, >= 2/3
+N_SOURCE = 3             # 0 the request, 1 + c corpus c (c < 2)
+N_TEMP = 3               # temperature classes: greedy (0), 0 < T < 1, T >= 1
+FORGET = 0.999           # per observation of a cell: the last ~1000 (a batch of 8 decides ~30 tokens a step)
+BACKOFF = 16.0           # a parent's estimate weighs as this many observations in its child cell
+REQUEST_WEIGHT = 32.0    # the pooled prediction weighs as this many tokens against a request's own
+REQUEST_FORGET = 0.98    # per decided position: a request's deviation follows its last ~50 decided tokens
+RATE_FORGET = 0.85       # per observed step: the copy rate follows the last few steps (~16 tokens)
+ROOT = 0.5               # the estimate above level 0
+
+# Cells per level and where each level starts in the one counts array.
+LEVELS = 4
+_L0 = N_TEMP * 2
+_L1 = N_TEMP * N_POS * N_RATE
+_L2 = _L1 * N_BUCKETS * 2
+_L3 = _L2 * 2 * N_SOURCE
+OFFSETS = np.array([0, _L0, _L0 + _L1, _L0 + _L1 + _L2], np.int64)
+N_CELLS = _L0 + _L1 + _L2 + _L3
+
+# A request's state, float64 [REQUEST_SIZE]: decayed copy-rate (kept, decided) and deviation (K, P, M, Q).
+RATE_KEPT, RATE_DECIDED, DEV_KEPT, DEV_PRED, DEV_MISSED, DEV_PRED_MISS = range(6)
+REQUEST_SIZE = 6
+
+
+def new_counts() -> np.ndarray:
+    """The pooled counts of an engine that has seen nothing: float64 [N_CELLS, 2] (kept, tried)."""
+    return np.zeros((N_CELLS, 2))
+
+
+def new_requests(n: int) -> np.ndarray:
+    """The state of n requests that have seen nothing: float64 [n, REQUEST_SIZE]."""
+    return np.zeros((n, REQUEST_SIZE))
+
+
+@njit(cache=True, nogil=True)
+def bucket(match_len):
+    """Match-length bucket 0..N_BUCKETS - 1: 1, 2-3, 4-7, ... (powers of two)."""
+    b = 0
+    m = max(match_len, 1)
+    while m > 1:
+        m >>= 1
+        b += 1
+    return min(b, N_BUCKETS - 1)
+
+
+@njit(cache=True, nogil=True)
+def position_class(j):
+    """Class of draft position j (0-based): 0, 1, 2-3, 4-7, 8-15, >= 16."""
+    return min(bucket(j) + 1, N_POS - 1) if j > 0 else 0
+
+
+@njit(cache=True, nogil=True)
+def temperature_class(t):
+    """0 greedy (t <= 0), 1 for 0 < t < 1, 2 for t >= 1."""
+    if t <= 0.0:
+        return 0
+    return 1 if t < 1.0 else 2
+
+
+@njit(cache=True, nogil=True)
+def rate_class(request):
+    """The request's copy-rate class from its state (float64 [REQUEST_SIZE])."""
+    if request[RATE_DECIDED] < 1.0:
+        return 0
+    r = request[RATE_KEPT] / request[RATE_DECIDED]
+    if r < 1.0 / 3.0:
+        return 1
+    return 2 if r < 2.0 / 3.0 else 3
+
+
+@njit(cache=True, nogil=True)
+def _cells(temp, j, rate, b, past, branched, source, out):
+    """The cell of draft position j at every level (rows of the counts array), into out int64 [LEVELS]."""
+    c0 = temp * 2 + min(j, 1)
+    c1 = (temp * N_POS + position_class(j)) * N_RATE + rate
+    c2 = (c1 * N_BUCKETS + b) * 2 + past
+    c3 = (c2 * 2 + branched) * N_SOURCE + min(source, N_SOURCE - 1)
+    out[0] = OFFSETS[0] + c0
+    out[1] = OFFSETS[1] + c1
+    out[2] = OFFSETS[2] + c2
+    out[3] = OFFSETS[3] + c3
+
+
+@njit(cache=True, nogil=True)
+def _pooled(counts, cells):
+    """q from the cells of one position, each level shrunk to its parent's estimate."""
+    q = ROOT
+    for level in range(LEVELS):
+        c = cells[level]
+        q = (counts[c, 0] + BACKOFF * q) / (counts[c, 1] + BACKOFF)
+    return q
+
+
+@njit(cache=True, nogil=True)
+def _deviate(request, q):
+    """q with its odds scaled by the request's own kept-vs-predicted evidence (shrunk toward the pool)."""
+    up = (request[DEV_KEPT] + REQUEST_WEIGHT) / (request[DEV_PRED] + REQUEST_WEIGHT)
+    down = (request[DEV_MISSED] + REQUEST_WEIGHT) / (request[DEV_PRED_MISS] + REQUEST_WEIGHT)
+    return q * up / (q * up + (1.0 - q) * down)
+
+
+@njit(cache=True, nogil=True)
+def predict(counts, request, match_len, branched, source, temperature, d, out):
+    """out[j] = P(draft tokens 0..j kept), j < d, for a draft of d tokens backed by a match of match_len tokens.
+
+    counts: float64 [N_CELLS, 2], the pool; request: float64 [REQUEST_SIZE], the row's request; branched: 0/1;
+    source: 0 the request, 1 + c corpus c; temperature: the row's sampling temperature (0: greedy).
+    """
+    cells = np.empty(LEVELS, np.int64)
+    temp, rate, b = temperature_class(temperature), rate_class(request), bucket(match_len)
+    p = 1.0
+    for j in range(d):
+        _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
+        p *= _deviate(request, _pooled(counts, cells))
+        out[j] = p
+
+
+@njit(cache=True, nogil=True)
+def observe(counts, request, match_len, branched, source, temperature, decided, kept):
+    """Learn from one step of one row: its full proposed draft (backed by match_len, branched, source, at the row's
+    temperature) had `decided` = min(draft length, tokens emitted) positions comparable with what was emitted, of
+    which the first `kept` matched. Positions 0..min(kept, decided - 1) were decided; updates the pool's cells, the
+    request's deviation and its copy rate."""
+    if decided <= 0:
+        return
+    cells = np.empty(LEVELS, np.int64)
+    temp, rate, b = temperature_class(temperature), rate_class(request), bucket(match_len)
+    for j in range(min(kept + 1, decided)):
+        _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
+        q = _pooled(counts, cells)
+        hit = 1.0 if j < kept else 0.0
+        for f in range(4):
+            request[DEV_KEPT + f] *= REQUEST_FORGET
+        request[DEV_KEPT] += hit
+        request[DEV_PRED] += q
+        request[DEV_MISSED] += 1.0 - hit
+        request[DEV_PRED_MISS] += 1.0 - q
+        for level in range(LEVELS):
+            c = cells[level]
+            counts[c, 0] = counts[c, 0] * FORGET + hit
+            counts[c, 1] = counts[c, 1] * FORGET + 1.0
+    request[RATE_KEPT] = request[RATE_KEPT] * RATE_FORGET + kept
+    request[RATE_DECIDED] = request[RATE_DECIDED] * RATE_FORGET + decided
+
+
+@njit(cache=True, nogil=True)
+def predict_rows(counts, requests, rows, match_len, branched, source, temperature, lengths, out):
+    """`predict` for every row i of a step: request requests[rows[i]], its draft of lengths[i] tokens; out float64
+    [r, >= max(lengths)] (zeros past each row's length)."""
+    for i in range(rows.shape[0]):
+        out[i, :] = 0.0
+        predict(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], lengths[i], out[i])
+
+
+@njit(cache=True, nogil=True)
+def observe_rows(counts, requests, rows, match_len, branched, source, temperature, decided, kept):
+    """`observe` for every row of a step, in order."""
+    for i in range(rows.shape[0]):
+        observe(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], decided[i], kept[i])
+
+
+def buckets(match_lens: np.ndarray) -> np.ndarray:
+    """`bucket` of every match length at once, int64 [r]."""
+    m = np.maximum(np.asarray(match_lens, dtype=np.int64), 1)
+    # bit_length(m) - 1 == floor(log2(m)); frexp is exact for every int64 a match length can be.
+    return np.minimum(np.frexp(m.astype(np.float64))[1] - 1, N_BUCKETS - 1)
