@@ -50,7 +50,7 @@ from benchmarks.harness.workloads import eos_of, real_pairs
 from benchmarks.micro.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.core.policy import FIRST_PRIOR_FACTOR, DraftPolicy
+from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.engines.replay import replay
 from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, Variant, environment, loop_score, spread
@@ -75,17 +75,15 @@ def make_proposer(name: str, prompt, output, eos):
     raise KeyError(name)
 
 
-def projected(name: str, prompt, output, cost: CostGrid, eos, lengths=None,
-              first_prior_factor: float = FIRST_PRIOR_FACTOR) -> dict:
+def projected(name: str, prompt, output, cost: CostGrid, eos, lengths=None) -> dict:
     """Replay one (prompt, output) pair with one proposer and price it with `cost` at the prompt's context.
 
     Returns speed-up over plain decoding of the whole output (and after the first L tokens per L in
-    `lengths`), mean accepted length and proposer µs per step. first_prior_factor: of the adaptive
-    policy (`benchmarks.replay.drafts --prior-factors` varies it).
+    `lengths`), mean accepted length and proposer µs per step.
     """
     proposer, cap, adaptive = make_proposer(name, prompt, output, eos)
     context = len(prompt)
-    policy = DraftPolicy(cap, cost.curve(context, cap + 1), first_prior_factor=first_prior_factor) if adaptive else None
+    policy = DraftPolicy(cap, cost.curve(context, cap + 1)) if adaptive else None
     stats = replay(proposer, output, cap, policy)
     emitted, seconds = step_times(stats.draft_lengths, stats.accepted_lengths, cost, context)
     plain = plain_times(len(output), cost, context)

@@ -101,13 +101,12 @@ class IndexPool:
         min_match, max_match, eos_token_ids, resync_window: as for `SuffixIndex`.
         corpus_min_match, alone_min_match: the corpus rule of `SourcesProposer` (a corpus draft needs this
             match while the request has a draft of its own / when it has none).
-        shared_prior: ignored (kept while engines pass it): the acceptance counts are always pooled over every
-            slot, and a new slot deviates from them by its own evidence (`core.acceptance`).
+    The acceptance counts are pooled over every slot; a new slot deviates from them by its own evidence
+    (`core.acceptance`).
     """
 
     def __init__(self, k: int, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), resync_window: int = 64,
-                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
-                 shared_prior: bool | None = None):
+                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH):
         self.k = int(k)
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")

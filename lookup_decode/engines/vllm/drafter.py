@@ -232,7 +232,7 @@ class LookupDrafter:
         # New requests start from the acceptance this engine's requests showed lately: a chat server's first drafts
         # are then priced as chat, a code-edit job's as code edits.
         self.pool = IndexPool(self.k, min_match=self.settings.min_match, max_match=self.settings.max_match,
-                              eos_token_ids=self.eos, shared_prior=self.settings.adaptive)
+                              eos_token_ids=self.eos)
         # A step the drafter missed added one token per row (vLLM then schedules zeros as drafts, rarely kept);
         # a few such steps in a row are followed, anything longer is another request.
         self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
