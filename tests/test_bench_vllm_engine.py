@@ -282,6 +282,14 @@ def test_goals_identical_outputs_fail_on_a_difference_and_without_drafts_kept():
     g = {x["goal"]: x for x in goals(summarize(fake_runs(wrong_token_in="ngram")))}
     ident = g["every output identical to no speculation, with drafts accepted"]
     assert ident["met"] is False and "ngram: 1/2 identical" in ident["detail"]
+    runs = fake_runs()
+    for r in runs:
+        if r["method"] == "ngram":
+            for c in r["cells"]:
+                c["counters"]["accepted"] = 0                 # identical, but vacuously: nothing was ever kept
+    ident = {x["goal"]: x for x in goals(summarize(runs))}["every output identical to no speculation, with drafts "
+                                                             "accepted"]
+    assert ident["met"] is False and ident["detail"] == "ngram: no draft token kept in any cell"
 
 
 def test_goals_not_measured_without_the_cells():
@@ -395,6 +403,15 @@ def test_replay_every_method_against_its_ceiling_on_both_clocks():
         assert "suffix" in r["cpu"]["w"]["1"]["cold"]
     except ImportError:
         assert "suffix" not in r["cpu"]["w"]["1"]["cold"]
+
+
+def test_a_failing_replay_keeps_the_engines_results(capsys):
+    result = {"runs": fake_runs(repeats=1), "prompts": {"0": [1, 1], "1": [2, 2]}, "warmup": [],
+              "cells": [{"workload": "code_edit", "batch": 1, "groups": [[0], [1]]}],
+              "settings": {"methods": ["none", "eagle"], "k": 8, "max_model_len": 64}}
+    assert vllm_engine.run_replay(result) is None
+    assert "no replay drafter for method 'eagle'" in result["replay_error"]
+    assert "replay failed" in capsys.readouterr().out
 
 
 def test_replay_cells_from_a_result_use_no_speculations_outputs_and_warmup():

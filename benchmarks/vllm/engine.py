@@ -609,18 +609,23 @@ def goals(summary: dict, replay: dict | None = None) -> list[dict]:
     versus("chat >= 0.97x no speculation at batch 1 and 8 (cold)", [c for c in chat if c[1] in ("1", "8")],
            [REFERENCE], 0.97)
 
-    parts, ok = [], []
+    parts, ok, kept = [], [], {}
     for w, bs in summary.items():
         for b, phases in bs.items():
             for phase, rows in phases.items():
                 for m, r in rows.items():
                     if m == REFERENCE or r["identical"] is None:
                         continue
-                    ok.append(r["identical"] == r["requests"] and bool(r["kept"]))
+                    ok.append(r["identical"] == r["requests"])
+                    kept[m] = kept.get(m, 0) + (r["kept"] or 0)
                     if not ok[-1]:
-                        parts.append(f"{w} b{b} {phase} {m}: {r['identical']}/{r['requests']} identical, "
-                                     f"{r['kept']} kept")
-    detail = "; ".join(parts) or (f"{len(ok)} method cells, all identical with drafts kept" if ok else "not measured")
+                        parts.append(f"{w} b{b} {phase} {m}: {r['identical']}/{r['requests']} identical")
+    for m, n in kept.items():          # a drafter that never had a token kept would pass the identity vacuously
+        ok.append(n > 0)
+        if not n:
+            parts.append(f"{m}: no draft token kept in any cell")
+    detail = "; ".join(parts) or (f"{len(ok) - len(kept)} method cells, all identical; every drafter had drafts kept"
+                                  if ok else "not measured")
     out.append({"goal": "every output identical to no speculation, with drafts accepted",
                 "met": all(ok) if ok else None, "clear": None, "detail": detail})
 
@@ -897,7 +902,9 @@ def _load() -> float | None:
         return None
 
 
-def run_engines(plan: dict, threads, timeout: float, workdir: Path) -> list[dict]:
+def run_engines(plan: dict, threads, timeout: float, workdir: Path, checkpoint=None) -> list[dict]:
+    """Every job of the plan, one engine process each, in order; checkpoint(runs) after each (a run cut short
+    keeps what it measured)."""
     plan_path = workdir / "plan.json"
     plan_path.write_text(json.dumps(plan))
     env = child_env(dict(os.environ), threads)
@@ -929,6 +936,8 @@ def run_engines(plan: dict, threads, timeout: float, workdir: Path) -> list[dict
             print(f"!!! {method} (repeat {repeat}) failed ({rc}):\n{tail[-1500:]}", flush=True)
         run.update(seconds=time.perf_counter() - t, load_start=load, load_end=_load())
         runs.append(run)
+        if checkpoint is not None:
+            checkpoint(runs)
         done = sum(r["seconds"] for r in runs)
         left = done / len(runs) * (len(jobs) - len(runs))
         print(f"--- {run['seconds']:.0f} s; {done / 60:.1f} min so far, ~{left / 60:.0f} min left", flush=True)
@@ -954,6 +963,8 @@ def replay_cells(result: dict) -> tuple[list[dict], list]:
 
 
 def run_replay(result: dict) -> dict | None:
+    """The modelled replay of a result's recorded outputs (None without prompts or reference outputs, or when it
+    fails: the engines' results are kept, the error printed and stored as result["replay_error"])."""
     from benchmarks.vllm import modelled
     if "prompts" not in result:
         return None
@@ -963,8 +974,14 @@ def run_replay(result: dict) -> dict | None:
     s = result["settings"]
     eos = s.get("eos_token_ids") or ()
     t = time.perf_counter()
-    out = modelled.replay(cells, s["methods"], k=s["k"], max_model_len=s["max_model_len"], eos=eos,
-                          lookup_config=s.get("lookup_config"), warmup=warmup, again=s.get("again", True))
+    try:
+        out = modelled.replay(cells, s["methods"], k=s["k"], max_model_len=s["max_model_len"], eos=eos,
+                              lookup_config=s.get("lookup_config"), warmup=warmup, again=s.get("again", True))
+    except Exception:                   # noqa: BLE001 -- hours of engine results must still be written
+        import traceback
+        result["replay_error"] = traceback.format_exc()
+        print(f"!!! replay failed:\n{result['replay_error']}", flush=True)
+        return None
     print(f"--- replay: {time.perf_counter() - t:.0f} s", flush=True)
     return out
 
@@ -1030,13 +1047,18 @@ def main(argv=None) -> None:
     env["command"] = command_line()
     t = time.perf_counter()
     logs = Path(tempfile.mkdtemp(prefix="bench_vllm_engine_"))      # kept: each engine's log
-    load = _load()
-    runs = run_engines(plan, threads, args.timeout, logs)
-    result = {"command": env["command"], "environment": env, "settings": settings, "run_s": time.perf_counter() - t,
-              "load": {"start": load}, "cells": cells, "jobs": jobs, "warmup": warmup,
+    result = {"command": env["command"], "environment": env, "settings": settings, "load": {"start": _load()},
+              "cells": cells, "jobs": jobs, "warmup": warmup,
               "requests": {w: [requests[i]["id"] for c in cells if c["workload"] == w for g in c["groups"] for i in g]
                            for w in workloads},
-              "prompts": {str(i): requests[i]["prompt_token_ids"] for i in used}, "runs": runs}
+              "prompts": {str(i): requests[i]["prompt_token_ids"] for i in used}, "runs": []}
+
+    def checkpoint(runs):              # NAME.json as it goes: `--from-json` renders a run cut short
+        from benchmarks.harness.results import write_result
+        write_result(args.out, args.name, {**result, "runs": runs, "run_s": time.perf_counter() - t})
+
+    result["runs"] = run_engines(plan, threads, args.timeout, logs, checkpoint)
+    result["run_s"] = time.perf_counter() - t
     result["replay"] = run_replay(result) if args.replay else None
     finish(result, args.out, args.name)
 

@@ -108,8 +108,8 @@ def _counts(requests: list[SimRequest]) -> dict:
 
 
 def replay_cell(drafter, groups, *, clock, k: int, max_model_len: int, warmup=(), again: bool = True) -> dict:
-    """One cell as the engine served it, on one fresh drafter: warm-up pairs (unpriced), the groups (each a list
-    of (prompt, output) int arrays) in order, then (again) the same groups once more.
+    """One cell as the engine served it, on one fresh drafter: the warm-up pairs together (unpriced), the groups
+    (each a list of (prompt, output) int arrays) in order, then (again) the same groups once more.
 
     Returns {"cold": row, "again": row or absent}; row: steps, row_steps, verified, seconds (modelled), tokens
     (output tokens), tok_s (tokens / seconds), drafted, kept (draft tokens sent and kept)."""
@@ -131,7 +131,7 @@ def replay_cell(drafter, groups, *, clock, k: int, max_model_len: int, warmup=()
             done += reqs
         return done
 
-    serve([[w] for w in warmup])
+    serve([list(warmup)] if warmup else [])         # the engine's warm-up: one llm.generate call
     out = {}
     for phase in ("cold", "again") if again else ("cold",):
         start = len(runner.trace)
