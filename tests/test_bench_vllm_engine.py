@@ -320,7 +320,7 @@ def test_markdown_tables_calibration_and_goal_lines_from_a_result(tmp_path, monk
     assert text.startswith("# lookup_decode vs vLLM's drafters") and "**reduced run: noisy**" in text
     assert "## code_edit, batch 1, cold (5 repeats)" in text and "## mt_bench, batch 8, again (5 repeats)" in text
     line = next(x for x in text.splitlines() if x.startswith("| lookup_decode | 7.27 |"))
-    assert "| 5.33–8.89 |" in line and "| 16 / 4 / 12 | 1.00 / 15.0 | 1.00% | 2/2 |" in line
+    assert "| 5.33–8.89 |" in line and "| 16 / 4 / 12 | 20/0 | 1.00 / 15.0 | 1.00% | 2/2 |" in line
     assert "| ngram | 5.45 | 4.00–6.67 |" in text and "| x1.33 (x1.33-x1.33, 5 pairs) |" in text
     assert "### code_edit, batch 1, cold" in text and "| 0.5–0.6 | 100 | 0.550 | 0.600 | +0.050 |" in text
     assert "* NOT MET: code edits >= ngram and suffix at batch 8 (cold)" in text

@@ -691,8 +691,8 @@ def _tok_s_cells(s: dict | None) -> str:
 def cell_table(rows: dict) -> list[str]:
     """One (workload, batch, phase)'s rows, a line per method."""
     lines = [f"| method | tok/s median | min–max | IQR | {OURS} / this, paired | ms/tok | steps | tok/row-step | "
-             "drafted / kept / wasted | drafter ms/call mean / worst | drafter share | same |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "drafted / kept / wasted | kept by position | drafter ms/call mean / worst | drafter share | same |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for m, r in rows.items():
         vs = rows.get(OURS, {}).get("vs", {}).get(m)
         counts = "–" if not r["proposes"] and not r["drafted"] else \
@@ -704,7 +704,8 @@ def cell_table(rows: dict) -> list[str]:
         pre = f" ({r['preemptions']} preempted)" if r["preemptions"] else ""
         lines.append(f"| {m}{pre} | {_tok_s_cells(r['tok_s'])} | {'' if vs is None else _ratio_text(vs)} | "
                      f"{_f(r['tpot_ms'], '.1f')} | {_f(r['steps'], '.0f')} | {_f(r['tokens_per_step'], '.2f')} | "
-                     f"{counts} | {drafter} | {share} | {same} |")
+                     f"{counts} | {'/'.join(map(str, r['accepted_per_pos'])) or '–'} | {drafter} | {share} | "
+                     f"{same} |")
     return lines
 
 
@@ -763,7 +764,8 @@ def markdown(result: dict) -> str:
              "median (min–max). ms/tok: per request, (last - first token time) / (tokens - 1), mean over "
              "requests. steps: engine steps that ran the model. tok/row-step: tokens a request gained per step it "
              "emitted in (1 without speculation). drafted / kept / wasted: vLLM's spec-decode counters (draft "
-             "tokens, accepted, their difference). drafter ms/call: `drafter.propose` seconds per call, mean and "
+             "tokens, accepted, their difference); kept by position: accepted draft tokens at positions 1..K, "
+             "summed over repeats. drafter ms/call: `drafter.propose` seconds per call, mean and "
              "worst over every repeat; share: over the steps' seconds. Every count is a median over repeats. "
              "same: requests whose tokens equal no speculation's in every repeat.", ""]
     for workload, batches in summary.items():
