@@ -990,6 +990,7 @@ def run_replay(result: dict) -> dict | None:
 
 def finish(result: dict, out: Path, name: str) -> None:
     """Summary, goals, files, printout."""
+    out = Path(out)
     from benchmarks.harness.results import write_result
     result["summary"] = summarize(result["runs"])
     result["goals"] = goals(result["summary"], result.get("replay"))
