@@ -5,6 +5,7 @@ outputs. No vLLM, no model, no wall-clock thresholds."""
 
 import json
 from collections import namedtuple
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -162,6 +163,14 @@ def test_calibration_rows_differences_and_gap():
     assert calibration_gap(cell) == pytest.approx(0.05)                         # the 60-token bin; 30 < 50 tokens
     assert calibration_gap(cell, min_tokens=10) == pytest.approx(0.15)
     assert calibration_rows(object()) is None and calibration_sum([None, None]) is None
+    @dataclass
+    class DataRow:
+        bin_low: float
+        bin_high: float
+        tokens: int
+        predicted: float
+        kept: float
+    assert calibration_rows(FakeDrafter([DataRow(0.5, 0.6, 10, 0.55, 0.5)])) == before
     tuples = calibration_rows(FakeDrafter([(0.0, 0.1, 5, 0.05, 0.0)]))          # plain tuples, dicts, named tuples
     assert tuples == calibration_rows(FakeDrafter([{"bin_low": 0.0, "bin_high": 0.1, "tokens": 5, "predicted": 0.05,
                                                     "kept": 0.0}]))

@@ -211,7 +211,12 @@ def calibration_rows(drafter) -> list[dict] | None:
         return None
     rows = []
     for r in fn():
-        d = r._asdict() if hasattr(r, "_asdict") else dict(r) if isinstance(r, dict) else dict(zip(CAL_FIELDS, r))
+        if isinstance(r, dict):
+            d = r
+        elif hasattr(r, "bin_low"):                 # a named tuple or a dataclass
+            d = {k: getattr(r, k) for k in CAL_FIELDS}
+        else:
+            d = dict(zip(CAL_FIELDS, r))
         rows.append({k: float(d[k]) for k in CAL_FIELDS})
     return rows
 
