@@ -1,31 +1,42 @@
 """lookup_decode against vLLM's own drafters inside the real vLLM engine (`python -m benchmarks.vllm.bench engine`).
 
-    nice -n 10 python -m benchmarks.vllm.bench engine                        # the committed run
-    python -m benchmarks.vllm.bench engine --workloads code_edit mt_bench --batches 1 8 \\
-        --requests 2 --max-tokens 32 --repeats 1 --out /tmp/engine_smoke     # a smoke run
+    flock /tmp/engine.lock nice -n 10 python -m benchmarks.vllm.bench engine --model MODEL   # the full study
+    python -m benchmarks.vllm.bench engine --model MODEL --repeats 1 --requests 2 --cells code:1 \\
+        --max-tokens 32 --out /tmp/engine_smoke                                            # a smoke run
 
 Methods (same model, same requests, same num_speculative_tokens K): `none` (no speculation), `ngram` (vLLM's
-defaults: prompt_lookup_min = max = 5), `ngram_tuned` (min 2, max 5), `suffix` (arctic-inference's suffix tree,
-vLLM's defaults) and `lookup_decode` (`lookup_decode.vllm.LookupDrafter`, default settings).
+defaults: prompt_lookup_min = max = 5), `ngram_tuned` (min 2, max 5; not run by default), `suffix`
+(arctic-inference's suffix tree, vLLM's defaults) and `lookup_decode` (`lookup_decode.vllm.LookupDrafter`, default
+settings unless --lookup-config).
 
 How it runs:
-* The parent tokenizes every request once through the model's chat template and plans the cells: per workload
-  and batch size b, ceil(requests / b) `llm.generate` calls of b requests submitted at once (batch 1: one request
-  at a time). Cells never share a request: the engine runs every request once, so a drafter that keeps earlier
-  outputs (suffix's global response cache, lookup_decode's memory) never sees a request's own earlier output.
-* Each (repeat, method) is a fresh subprocess (`child`) holding one in-process engine
-  (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the harness reaches the engine core, the runner and its drafter); methods
-  run in ABBA order over the repeats (forward, backward, forward, ...). The child warms the engine up on two
-  prompts of its own, then runs every cell, greedy.
-* Per cell the child records wall seconds, output tokens and per-request token ids, vLLM's spec-decode counters
+* Cells are (workload, batch size b), `--cells code:1 chat:8 ...`: `--requests` requests rounded up to whole
+  batches, ceil(requests / b) `llm.generate` calls of b requests submitted at once (batch 1: one at a time). Cells
+  never share a request.
+* Every cell is served twice by the same engine: "cold" (requests the engine has not seen), then "again" (the same
+  requests once more: what a drafter that remembers earlier outputs gains on repeated requests). They are reported
+  apart. vLLM's prefix cache serves the "again" prompts for every method alike.
+* Engines: one fresh subprocess (`child`) per job, the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the
+  harness reaches the engine core, the runner and its drafter). A method that remembers across requests
+  (MEMORY_METHODS: suffix's global response tree, lookup_decode's cross-request memory) gets a fresh engine per
+  cell, so a cold cell is cold; the others run every cell in one engine (`--fresh-engine always`: one per cell for
+  every method). Each engine first warms up on two prompts of its own (JIT, numba caches), then runs its cells.
+* Order: `--repeats` blocks; each block holds every (method, cell) once, its engines (and a shared engine's cells)
+  shuffled with `--seed`. Per cell the table gives the median over repeats with min-max and IQR, and lookup_decode
+  over each method as paired ratios (the two runs of the same block), median and min-max.
+* Per cell an engine records wall seconds, output tokens and per-request token ids, vLLM's spec-decode counters
   (differences around the cell), the engine's steps (`EngineCore.step_fn` calls that ran the model) and their
-  seconds, the tokens each step emitted per request (`Scheduler.update_from_output`), and the drafter's seconds
-  (`runner.drafter.propose` wrapped with perf_counter: the same call for ngram, suffix and lookup_decode).
-* The parent keeps the min (or median) repeat per cell and writes `engine.json` (every run, the environment, the
-  command) and `engine.md` (the table and the issue's goals, met or not, with the numbers).
+  seconds, the tokens each step emitted per request (`Scheduler.update_from_output`), the drafter's seconds per
+  call (`runner.drafter.propose` wrapped with perf_counter: the same call for ngram, suffix and lookup_decode) and,
+  when the drafter keeps one (`drafter.stats.calibration()`), the acceptance model's reliability table.
+* After the engines, the parent replays the run's own greedy outputs (no speculation's) through the CPU
+  simulation of vLLM's runner in the engine's cell order (benchmarks/vllm/modelled.py): each method's modelled
+  time on a CPU-like and a GPU-like step cost, against its oracle-cut ceiling.
+* `engine.json` (every engine's raw cells, the plan, the prompts, the environment, the command) and `engine.md`
+  (tables, calibration, replay, the issue's goals met or not) are written by `harness.results.write_result`.
 
-Nothing here imports vLLM at module level: the pure parts (planning, ABBA order, summaries, goals, tables) are
-tested without it (tests/test_bench_vllm_engine.py).
+Nothing here imports vLLM at module level: the pure parts (cells, order, summaries, goals, tables) are tested
+without it (tests/test_bench_vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -52,13 +64,18 @@ METHODS: dict[str, dict | None] = {
     "suffix": {"method": "suffix"},                                       # arctic-inference, vLLM's defaults
     "lookup_decode": {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter"},
 }
+DEFAULT_METHODS = ["none", "ngram", "suffix", "lookup_decode"]
+MEMORY_METHODS = {"suffix", "lookup_decode"}      # remember outputs across requests: a cold cell needs a fresh engine
 OURS = "lookup_decode"
 REFERENCE = "none"
 NGRAMS = ("ngram", "ngram_tuned")
+PHASES = ("cold", "again")
 
-DEFAULT_WORKLOADS = ["code_edit", "cnn_dm", "mt_bench"]
+ALIASES = {"code": "code_edit", "chat": "mt_bench", "summaries": "cnn_dm"}   # --cells shorthands
+DEFAULT_CELLS = ["code:1", "code:8", "chat:1", "chat:8"]
 CODE_WORKLOADS = {"code_edit", "editeval", "aider_refactor"}     # "code edits" in the goals
-CHAT_WORKLOADS = {"mt_bench"}                                    # "chat controls" in the goals
+CHAT_WORKLOADS = {"mt_bench"}                                    # "chat" in the goals
+CAL_FIELDS = ("bin_low", "bin_high", "tokens", "predicted", "kept")
 
 # The environment of every engine process. HF_HUB_OFFLINE: nothing is downloaded. The thread counts are the CPU
 # defaults (--threads): in-process torch keeps 2 OpenMP threads that spin-wait on a busy 2-core box (445 instead
@@ -69,44 +86,74 @@ THREAD_VARS = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 # ------------------------------------------------------------------------------------------- planning
 
-def abba(methods: list[str], repeats: int) -> list[tuple[int, str]]:
-    """(repeat, method) in run order: the methods forward in even repeats, backward in odd ones, so a drift of
-    the machine over the run weighs on every method alike.
+def parse_cells(specs: list[str]) -> list[tuple[str, int]]:
+    """(workload, batch) from "WORKLOAD:BATCH" specs; WORKLOAD may be an ALIASES shorthand.
 
-    Example: abba(["a", "b"], 3) -> [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    Example: parse_cells(["code:1", "mt_bench:8"]) -> [("code_edit", 1), ("mt_bench", 8)]
     """
-    order = []
+    out = []
+    for spec in specs:
+        name, sep, batch = spec.rpartition(":")
+        if not sep or not name or not batch.isdigit() or int(batch) < 1:
+            raise ValueError(f"cell {spec!r}: expected WORKLOAD:BATCH, e.g. code:1 or mt_bench:8")
+        out.append((ALIASES.get(name, name), int(batch)))
+    if len(set(out)) != len(out):
+        raise ValueError(f"cells {specs}: a cell is named twice")
+    return out
+
+
+def plan_cells(available: dict[str, list[int]], cells: list[tuple[str, int]], requests: int) -> list[dict]:
+    """Cells {"workload", "batch", "groups"}, in the order given: ceil(requests / b) groups of b request indices
+    (one `llm.generate` call each), taken in order from the workload's available requests, never reused across
+    the workload's cells. ValueError when a workload has too few requests.
+
+    Example: available {"w": [0..9]}, cells [("w", 1), ("w", 4)], requests 2 ->
+        [{"workload": "w", "batch": 1, "groups": [[0], [1]]}, {"workload": "w", "batch": 4, "groups": [[2, 3, 4, 5]]}]
+    """
+    out, offset = [], {}
+    for workload, b in cells:
+        if workload not in available:
+            raise ValueError(f"{workload}: no requests loaded")
+        pool = available[workload]
+        calls = math.ceil(requests / b)
+        start = offset.get(workload, 0)
+        if start + calls * b > len(pool):
+            need = sum(math.ceil(requests / x) * x for w, x in cells if w == workload)
+            raise ValueError(f"{workload}: cells of batch {[x for w, x in cells if w == workload]} x {requests} "
+                             f"requests need {need} requests that fit, {len(pool)} do (lower --requests, or raise "
+                             "--max-prompt-tokens)")
+        ids = pool[start: start + calls * b]
+        offset[workload] = start + calls * b
+        out.append({"workload": workload, "batch": b, "groups": [ids[i * b:(i + 1) * b] for i in range(calls)]})
+    return out
+
+
+def plan_jobs(methods: list[str], n_cells: int, repeats: int, seed: int = 0, fresh: str = "memory") -> list[dict]:
+    """The engines in run order, each {"method", "repeat", "cells": [cell indices, in the order it serves them]}.
+
+    A method in MEMORY_METHODS (fresh "memory") or every method (fresh "always") gets one engine per cell; the
+    others one engine for all cells. Repeat r is one block holding every (method, cell) once; the block's engines,
+    and a shared engine's cells, are shuffled by a random.Random(seed), so a drift of the machine weighs on every
+    method alike and no method always runs first.
+
+    Example: plan_jobs(["none", "suffix"], 2, 1) -> three engines in some order:
+        {"method": "none", "repeat": 0, "cells": [1, 0]}, {"method": "suffix", "repeat": 0, "cells": [0]},
+        {"method": "suffix", "repeat": 0, "cells": [1]}
+    """
+    if fresh not in ("memory", "always"):
+        raise ValueError(f"fresh must be 'memory' or 'always', got {fresh!r}")
+    rng = random.Random(seed)
+    jobs = []
     for r in range(repeats):
-        for m in (methods if r % 2 == 0 else methods[::-1]):
-            order.append((r, m))
-    return order
-
-
-def plan_cells(available: dict[str, list[int]], batches: list[int], requests: int, once=()) -> list[dict]:
-    """Cells {"workload", "batch", "groups", "once"}: per workload and batch b, ceil(requests / b) groups of b
-    request indices (one `llm.generate` call each), taken in order from the workload's available requests without
-    reuse across the workload's cells; "once": b is in `once` (run in the first repeat only). ValueError when a
-    workload has too few requests.
-
-    Example: available {"w": [0..9]}, batches [1, 4], requests 2 ->
-        [{"workload": "w", "batch": 1, "groups": [[0], [1]], "once": False},
-         {"workload": "w", "batch": 4, "groups": [[2, 3, 4, 5]], "once": False}]
-    """
-    cells = []
-    for workload, pool in available.items():
-        offset = 0
-        for b in batches:
-            calls = math.ceil(requests / b)
-            need = calls * b
-            if offset + need > len(pool):
-                raise ValueError(f"{workload}: batches {batches} x {requests} requests need "
-                                 f"{sum(math.ceil(requests / x) * x for x in batches)} requests that fit, "
-                                 f"{len(pool)} do (lower --requests, or raise --max-prompt-tokens)")
-            ids = pool[offset: offset + need]
-            offset += need
-            cells.append({"workload": workload, "batch": b, "groups": [ids[i * b:(i + 1) * b] for i in range(calls)],
-                          "once": b in once})
-    return cells
+        block = []
+        for m in methods:
+            if fresh == "always" or m in MEMORY_METHODS:
+                block += [{"method": m, "repeat": r, "cells": [c]} for c in range(n_cells)]
+            else:
+                block.append({"method": m, "repeat": r, "cells": rng.sample(range(n_cells), n_cells)})
+        rng.shuffle(block)
+        jobs += block
+    return jobs
 
 
 def speculative_config(method: str, k: int) -> dict | None:
@@ -154,6 +201,53 @@ def child_env(environ: dict, threads: int | None) -> dict:
     return env
 
 
+# ------------------------------------------------------------------------------------------- calibration tables
+
+def calibration_rows(drafter) -> list[dict] | None:
+    """The drafter's reliability table (`drafter.stats.calibration()`: rows bin_low, bin_high, tokens, predicted
+    (mean), kept (share)) as dicts, cumulative since the drafter was built; None when it keeps none."""
+    fn = getattr(getattr(drafter, "stats", None), "calibration", None)
+    if not callable(fn):
+        return None
+    rows = []
+    for r in fn():
+        if isinstance(r, dict):
+            d = r
+        elif hasattr(r, "bin_low"):                 # a named tuple or a dataclass
+            d = {k: getattr(r, k) for k in CAL_FIELDS}
+        else:
+            d = dict(zip(CAL_FIELDS, r))
+        rows.append({k: float(d[k]) for k in CAL_FIELDS})
+    return rows
+
+
+def calibration_sum(tables: list, sign: list[int] | None = None) -> list[dict] | None:
+    """Tables added bin by bin (sign -1: subtracted, for the difference around a cell): tokens summed, predicted
+    and kept their token-weighted means. Bins left with no tokens are dropped; None if every table is None.
+
+    Example: calibration_sum([[{"bin_low": 0.5, "bin_high": 0.6, "tokens": 10, "predicted": 0.55, "kept": 0.5}],
+                              [{"bin_low": 0.5, "bin_high": 0.6, "tokens": 30, "predicted": 0.55, "kept": 0.7}]])
+        -> [{"bin_low": 0.5, "bin_high": 0.6, "tokens": 40, "predicted": 0.55, "kept": 0.65}]
+    """
+    if all(t is None for t in tables):
+        return None
+    acc: dict[tuple, list[float]] = {}
+    for table, s in zip(tables, sign or [1] * len(tables)):
+        for r in table or []:
+            a = acc.setdefault((r["bin_low"], r["bin_high"]), [0.0, 0.0, 0.0])
+            a[0] += s * r["tokens"]
+            a[1] += s * r["tokens"] * r["predicted"]
+            a[2] += s * r["tokens"] * r["kept"]
+    return [{"bin_low": lo, "bin_high": hi, "tokens": round(n), "predicted": p / n, "kept": k / n}
+            for (lo, hi), (n, p, k) in sorted(acc.items()) if round(n) > 0]
+
+
+def calibration_gap(rows: list[dict] | None, min_tokens: int = 50) -> float | None:
+    """The largest |mean predicted - share kept| over bins holding >= min_tokens tokens (None: no such bin)."""
+    gaps = [abs(r["predicted"] - r["kept"]) for r in rows or [] if r["tokens"] >= min_tokens]
+    return max(gaps) if gaps else None
+
+
 # ------------------------------------------------------------------------------------------- the engine process
 
 class Probe:
@@ -164,6 +258,7 @@ class Probe:
     def __init__(self, core, runner):
         self.reset()
         drafter = getattr(runner, "drafter", None) if runner is not None else None
+        self.drafter = drafter
         self.drafter_type = None if drafter is None else f"{type(drafter).__module__}.{type(drafter).__name__}"
         if drafter is not None:
             propose = drafter.propose
@@ -209,11 +304,12 @@ class Probe:
         self.row_steps = self.emitted = self.emitting_steps = 0
 
     def snapshot(self) -> dict:
-        """Sums and medians since reset (seconds)."""
+        """Sums, medians and the worst call since reset (seconds)."""
         return {"steps": len(self.step_s), "step_s": sum(self.step_s),
                 "step_median_s": statistics.median(self.step_s) if self.step_s else None,
                 "proposes": len(self.propose_s), "propose_s": sum(self.propose_s),
                 "propose_median_s": statistics.median(self.propose_s) if self.propose_s else None,
+                "propose_max_s": max(self.propose_s) if self.propose_s else None,
                 "row_steps": self.row_steps, "emitted": self.emitted, "emitting_steps": self.emitting_steps}
 
 
@@ -247,14 +343,17 @@ WARMUP_TEXTS = [
     "Rewrite this Python function with `total` renamed to `acc`:\n\n```python\ndef add(xs):\n    total = 0\n"
     "    for x in xs:\n        total += x\n    return total\n```",
 ]
+WARMUP_TOKENS = 32
 
 
-def run_child(plan_path: str, method: str, out_path: str, repeat: str = "0") -> None:
-    """One engine, every cell of the plan (after the first repeat, those not marked "once"); writes the raw
-    measurements to out_path (JSON)."""
+def run_child(plan_path: str, job_index: str, out_path: str) -> None:
+    """One engine: the warm-up, then each of the job's cells cold and (unless the plan says not) again; writes
+    the raw measurements to out_path (JSON)."""
     t0 = time.perf_counter()
     plan = json.loads(Path(plan_path).read_text())
     settings = plan["settings"]
+    job = plan["jobs"][int(job_index)]
+    method = job["method"]
     import vllm
     from vllm import LLM, SamplingParams
     import_s = time.perf_counter() - t0
@@ -276,33 +375,38 @@ def run_child(plan_path: str, method: str, out_path: str, repeat: str = "0") -> 
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     t = time.perf_counter()
-    generate(plan["warmup"], 32)
+    warmup_tokens = [list(o.outputs[0].token_ids) for o in generate(plan["warmup"], WARMUP_TOKENS)]
     warmup_s = time.perf_counter() - t
     requests = plan["requests"]
+    phases = PHASES if settings.get("again", True) else PHASES[:1]
     cells = []
-    for cell in plan["cells"]:
-        if cell.get("once") and int(repeat) > 0:
-            continue
-        probe.reset()
-        before = counters(llm)
-        tokens, tpot, wall = {}, [], 0.0
-        for group in cell["groups"]:
-            t = time.perf_counter()
-            outs = generate([requests[i]["prompt_token_ids"] for i in group], settings["max_tokens"])
-            wall += time.perf_counter() - t
-            for i, o in zip(group, outs):
-                ids = list(o.outputs[0].token_ids)
-                tokens[str(i)] = ids
-                m = o.metrics
-                if m is not None and len(ids) > 1 and m.last_token_ts > m.first_token_ts:
-                    tpot.append((m.last_token_ts - m.first_token_ts) / (len(ids) - 1))
-        cells.append({"workload": cell["workload"], "batch": cell["batch"], "wall_s": wall,
-                      "output_tokens": sum(map(len, tokens.values())), "tokens": tokens,
-                      "tpot_s": statistics.mean(tpot) if tpot else None,
-                      "counters": diff_counters(counters(llm), before), **probe.snapshot()})
-        c = cells[-1]
-        print(f"[{method}] {c['workload']} b{c['batch']}: {c['output_tokens']} tok in {wall:.2f} s "
-              f"({c['output_tokens'] / wall:.1f} tok/s)", flush=True)
+    for index in job["cells"]:
+        cell = plan["cells"][index]
+        for phase in phases:
+            probe.reset()
+            before, cal_before = counters(llm), calibration_rows(probe.drafter)
+            tokens, tpot, wall = {}, [], 0.0
+            for group in cell["groups"]:
+                t = time.perf_counter()
+                outs = generate([requests[i]["prompt_token_ids"] for i in group], settings["max_tokens"])
+                wall += time.perf_counter() - t
+                for i, o in zip(group, outs):
+                    ids = list(o.outputs[0].token_ids)
+                    tokens[str(i)] = ids
+                    m = o.metrics
+                    if m is not None and len(ids) > 1 and m.last_token_ts > m.first_token_ts:
+                        tpot.append((m.last_token_ts - m.first_token_ts) / (len(ids) - 1))
+            cal = calibration_rows(probe.drafter)
+            cells.append({"cell": index, "workload": cell["workload"], "batch": cell["batch"], "phase": phase,
+                          "wall_s": wall, "output_tokens": sum(map(len, tokens.values())), "tokens": tokens,
+                          "tpot_s": statistics.mean(tpot) if tpot else None,
+                          "counters": diff_counters(counters(llm), before),
+                          "calibration": None if cal is None else calibration_sum([cal, cal_before], [1, -1]),
+                          **probe.snapshot()})
+            c = cells[-1]
+            print(f"[{method}] {c['workload']} b{c['batch']} {phase}: {c['output_tokens']} tok in {wall:.2f} s "
+                  f"({c['output_tokens'] / wall:.1f} tok/s), {c['steps']} steps, drafted "
+                  f"{c['counters']['draft_tokens']} kept {c['counters']['accepted']}", flush=True)
     try:
         import arctic_inference
         arctic = getattr(arctic_inference, "__version__", None) or _dist_version("arctic-inference")
@@ -311,13 +415,17 @@ def run_child(plan_path: str, method: str, out_path: str, repeat: str = "0") -> 
     import torch
 
     import lookup_decode
+    stats = getattr(probe.drafter, "stats", None)
     info = {"vllm": vllm.__version__, "vllm_distribution": _vllm_distribution(), "arctic_inference": arctic,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "lookup_decode_file": lookup_decode.__file__, "drafter": probe.drafter_type,
+            "drafter_propose_max_s": getattr(stats, "propose_max_s", None),
             "env": {k: os.environ.get(k) for k in (*BASE_ENV, *THREAD_VARS, "VLLM_PLUGINS")}}
-    Path(out_path).write_text(json.dumps({"method": method, "engine_kwargs": kw, "import_s": import_s,
-                                          "build_s": build_s, "warmup_s": warmup_s, "info": info, "cells": cells}))
+    Path(out_path).write_text(json.dumps({"method": method, "repeat": job["repeat"], "job": int(job_index),
+                                          "engine_kwargs": kw, "import_s": import_s, "build_s": build_s,
+                                          "warmup_s": warmup_s, "warmup_tokens": warmup_tokens, "info": info,
+                                          "cells": cells}))
 
 
 def _dist_version(name: str) -> str | None:
@@ -339,171 +447,362 @@ def _vllm_distribution() -> str | None:
 
 # ------------------------------------------------------------------------------------------- summaries and goals
 
-def _pick(runs: list[dict], stat: str) -> dict:
-    """The run a cell reports: the fastest (stat "min") or the median one (the lower middle for even counts)."""
-    ordered = sorted(runs, key=lambda r: r["wall_s"])
-    return ordered[0] if stat == "min" else ordered[(len(ordered) - 1) // 2]
+def spread(values: list[float]) -> dict | None:
+    """Median, min, max and quartiles (q1, q3: inclusive method; None under 2 values) of a list; None if empty.
 
-
-def summarize(runs: list[dict], stat: str = "min") -> dict:
-    """{workload: {str(batch): {method: row}}} from child results (each {"method", "repeat", "cells"} or
-    {"method", "repeat", "error"}).
-
-    row: requests, output_tokens, wall_s (the picked repeat's), wall_s_all, tok_s, tpot_ms, steps, step_ms,
-    tokens_per_step (tokens each request gained per engine step it emitted in: 1.0 without speculation),
-    tokens_per_engine_step (all rows' tokens per model step), acceptance_length (1 + accepted / drafts, vLLM's
-    convention), drafts, draft_tokens, accepted, preemptions, drafter_ms_per_step, drafter_share (propose
-    seconds / step seconds), identical (requests whose tokens equal no speculation's in every repeat; None
-    without the reference) and, for lookup_decode, vs (its tok/s over each other method's).
+    Example: spread([3.0, 1.0, 2.0, 5.0, 4.0]) -> {"n": 5, "median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0}
     """
-    by_cell: dict[tuple, dict[str, list]] = {}
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    q1 = q3 = None
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"n": len(xs), "median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
+
+
+def _median(values):
+    s = spread(values)
+    return None if s is None else s["median"]
+
+
+def _tok_s(c: dict) -> float | None:
+    return c["output_tokens"] / c["wall_s"] if c["wall_s"] > 0 else None
+
+
+def by_cell(runs: list[dict]) -> dict:
+    """{(workload, batch, phase): {method: [cell, ...]}} over every engine's cells; each cell gets its run's
+    "repeat". Cells without a phase (results before the cold/again split) count as cold."""
+    out: dict = {}
     for run in runs:
         for c in run.get("cells", []):
-            by_cell.setdefault((c["workload"], c["batch"]), {}).setdefault(run["method"], []).append(c)
+            key = (c["workload"], c["batch"], c.get("phase", "cold"))
+            out.setdefault(key, {}).setdefault(run["method"], []).append({**c, "repeat": run.get("repeat", 0)})
+    return out
+
+
+def reference_outputs(runs: list[dict]) -> dict:
+    """{(workload, batch): {request index: token ids}}: no speculation's outputs (its first cold run per cell),
+    else the first method's that ran the cell."""
     out: dict = {}
-    for (workload, batch), methods in by_cell.items():
-        ref_runs = methods.get(REFERENCE)
-        ref = min(ref_runs, key=lambda c: c["wall_s"])["tokens"] if ref_runs else None
+    for prefer in (True, False):
+        for run in sorted(runs, key=lambda r: r.get("repeat", 0)):
+            if prefer != (run["method"] == REFERENCE):
+                continue
+            for c in run.get("cells", []):
+                if c.get("phase", "cold") == "cold":
+                    out.setdefault((c["workload"], c["batch"]), c["tokens"])
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    """{workload: {str(batch): {phase: {method: row}}}} from child results (each {"method", "repeat", "cells"} or
+    {"method", "repeat", "error"}).
+
+    row: repeats, requests, output_tokens (median), tok_s (`spread` over repeats of output tokens / wall
+    seconds), tok_s_by_repeat, tpot_ms, steps, row_steps, tokens_per_step (tokens each request gained per engine
+    step it emitted in: 1.0 without speculation), drafted / kept / wasted (vLLM's draft tokens, accepted, and their
+    difference), acceptance_length (1 + accepted / drafts) -- medians over repeats; accepted_per_pos and
+    preemptions summed; drafter_ms_mean and drafter_ms_worst (per propose call, over every repeat),
+    drafter_ms_per_step and drafter_share (propose seconds per engine step and over the steps' seconds);
+    calibration (the drafter's table summed over repeats, None without one); identical (requests whose tokens equal
+    the reference's in every repeat); for lookup_decode, vs: {method: `spread` of the paired ratios ours / it, one
+    per repeat both ran}.
+    """
+    refs = reference_outputs(runs)
+    out: dict = {}
+    for (workload, batch, phase), methods in by_cell(runs).items():
+        ref = refs.get((workload, batch))
         rows = {}
-        for method, cells in methods.items():
-            c = _pick(cells, stat)
-            wall = c["wall_s"] if stat == "min" else statistics.median(x["wall_s"] for x in cells)
-            k = c["counters"]
-            row = {"requests": len(c["tokens"]), "output_tokens": c["output_tokens"], "repeats": len(cells),
-                   "wall_s": wall, "wall_s_all": [x["wall_s"] for x in cells],
-                   "tok_s": c["output_tokens"] / wall if wall > 0 else None,
-                   "tpot_ms": None if c["tpot_s"] is None else 1e3 * c["tpot_s"],
-                   "steps": c["steps"], "step_ms": 1e3 * c["step_s"] / c["steps"] if c["steps"] else None,
-                   "tokens_per_step": c["emitted"] / c["row_steps"] if c["row_steps"] else None,
-                   "tokens_per_engine_step": c["emitted"] / c["steps"] if c["steps"] else None,
-                   "acceptance_length": 1 + k["accepted"] / k["drafts"] if k["drafts"] else None,
-                   "drafts": k["drafts"], "draft_tokens": k["draft_tokens"], "accepted": k["accepted"],
-                   "accepted_per_pos": k["accepted_per_pos"], "preemptions": k["preemptions"],
-                   "proposes": c["proposes"],
-                   "drafter_ms_per_step": 1e3 * c["propose_s"] / c["steps"] if c["steps"] and c["proposes"] else None,
-                   "drafter_share": c["propose_s"] / c["step_s"] if c["step_s"] and c["proposes"] else None,
+        for method, cells in sorted(methods.items(), key=lambda kv: list(METHODS).index(kv[0])
+                                    if kv[0] in METHODS else len(METHODS)):
+            cells = sorted(cells, key=lambda c: c["repeat"])
+            k = [c["counters"] for c in cells]
+            proposes = sum(c["proposes"] for c in cells)
+            propose_s = sum(c["propose_s"] for c in cells)
+            steps = sum(c["steps"] for c in cells)
+            step_s = sum(c["step_s"] for c in cells)
+            worst = [c["propose_max_s"] for c in cells if c.get("propose_max_s") is not None]
+            per_pos = [sum(x) for x in zip(*[c["accepted_per_pos"] for c in k if c["accepted_per_pos"]])]
+            row = {"repeats": len(cells), "requests": len(cells[0]["tokens"]),
+                   "output_tokens": _median([c["output_tokens"] for c in cells]),
+                   "tok_s": spread([_tok_s(c) for c in cells]),
+                   "tok_s_by_repeat": {str(c["repeat"]): _tok_s(c) for c in cells},
+                   "tpot_ms": _median([None if c["tpot_s"] is None else 1e3 * c["tpot_s"] for c in cells]),
+                   "steps": _median([c["steps"] for c in cells]),
+                   "row_steps": _median([c["row_steps"] for c in cells]),
+                   "tokens_per_step": _median([c["emitted"] / c["row_steps"] if c["row_steps"] else None
+                                               for c in cells]),
+                   "drafts": _median([x["drafts"] for x in k]),
+                   "drafted": _median([x["draft_tokens"] for x in k]),
+                   "kept": _median([x["accepted"] for x in k]),
+                   "wasted": _median([x["draft_tokens"] - x["accepted"] for x in k]),
+                   "acceptance_length": _median([1 + x["accepted"] / x["drafts"] if x["drafts"] else None
+                                                 for x in k]),
+                   "accepted_per_pos": per_pos, "preemptions": sum(x["preemptions"] for x in k),
+                   "proposes": proposes,
+                   "drafter_ms_mean": 1e3 * propose_s / proposes if proposes else None,
+                   "drafter_ms_worst": 1e3 * max(worst) if worst and proposes else None,
+                   "drafter_ms_per_step": 1e3 * propose_s / steps if steps and proposes else None,
+                   "drafter_share": propose_s / step_s if step_s and proposes else None,
+                   "calibration": calibration_sum([c.get("calibration") for c in cells]),
                    "identical": None}
             if ref is not None:
-                row["identical"] = sum(all(x["tokens"].get(i) == ids for x in cells) for i, ids in ref.items())
+                row["identical"] = sum(all(c["tokens"].get(i) == ids for c in cells) for i, ids in ref.items())
             rows[method] = row
         if OURS in rows:
-            rows[OURS]["vs"] = {m: rows[OURS]["tok_s"] / r["tok_s"] for m, r in rows.items()
-                                if m != OURS and r["tok_s"] and rows[OURS]["tok_s"]}
-        out.setdefault(workload, {})[str(batch)] = rows
-    return {w: dict(sorted(b.items(), key=lambda kv: int(kv[0]))) for w, b in out.items()}
+            ours = rows[OURS]["tok_s_by_repeat"]
+            rows[OURS]["vs"] = {}
+            for m, r in rows.items():
+                pairs = [ours[rep] / x for rep, x in r["tok_s_by_repeat"].items() if m != OURS and x
+                         and ours.get(rep)]
+                if pairs:
+                    rows[OURS]["vs"][m] = spread(pairs)
+        out.setdefault(workload, {}).setdefault(str(batch), {})[phase] = rows
+    return {w: {b: dict(sorted(ph.items(), key=lambda kv: PHASES.index(kv[0])))
+                for b, ph in sorted(bs.items(), key=lambda kv: int(kv[0]))} for w, bs in out.items()}
 
 
-def _ours_vs(summary, workload, batch, baselines):
-    """[(baseline, its tok/s, ours / it)] for the baselines present in a cell, or None without ours."""
-    rows = summary.get(workload, {}).get(str(batch), {})
-    if OURS not in rows:
-        return None
-    return [(m, rows[m]["tok_s"], rows[OURS]["vs"][m]) for m in baselines if m in rows[OURS].get("vs", {})]
+def _ratio_text(s: dict) -> str:
+    """x1.05 (x0.98-x1.10, 5 pairs)."""
+    if s["n"] < 2:
+        return f"x{s['median']:.2f} (1 pair)"
+    return f"x{s['median']:.2f} (x{s['min']:.2f}-x{s['max']:.2f}, {s['n']} pairs)"
 
 
-def goals(summary: dict) -> list[dict]:
-    """The issue's goals on this machine, each {"goal", "met" (True / False / None: not measured), "detail"}:
-    code edits >= 1.2x ngram and >= suffix at batch 1, >= both at batch 8 (ngram: the faster of its variants
-    present); chat >= 0.97x no speculation (every batch); lookup_decode's drafter <= 5% of the step at batch 8.
+def goals(summary: dict, replay: dict | None = None) -> list[dict]:
+    """The issue's goals on this machine, each {"goal", "met" (True / False / None: not measured), "clear" (every
+    paired ratio on the same side of the bar as the median: the spread tells them apart; None where no ratio
+    decides), "detail"}. Ratios are lookup_decode's tok/s over the baseline's, paired by repeat; a goal is met when
+    the median of the pairs reaches the bar.
+
+    Engine, cold cells: code edits >= 1.2x ngram (the faster ngram variant present) and >= 1.05x suffix at batch 1,
+    >= both at batch 8; chat >= 0.97x no speculation at batch 1 and 8. Again cells (repeated requests): >= suffix.
+    Every output identical to no speculation, with drafts accepted. lookup_decode's drafter <= 5% of the step at
+    batch 8. Calibration |mean predicted - share kept| <= 0.05 in every bin of >= 50 tokens (cold cells). Replay
+    (both step costs, batch 1 and 8, cold): lookup_decode's modelled time >= 97% of its oracle-cut ceiling.
     """
     out = []
-    code = [w for w in summary if w in CODE_WORKLOADS]
-    chat = [w for w in summary if w in CHAT_WORKLOADS]
 
-    def versus(goal, workloads, batch, baselines, need, best_of=False):
-        parts, ok = [], []
-        for w in workloads:
-            got = _ours_vs(summary, w, batch, baselines)
-            if not got:
+    def versus(goal, cells, baselines, need, phase="cold", best_of=False):
+        parts, ok, clear = [], [], []
+        for w, b in cells:
+            rows = summary.get(w, {}).get(str(b), {}).get(phase, {})
+            if OURS not in rows:
                 continue
-            ours = summary[w][str(batch)][OURS]["tok_s"]
-            if best_of:                       # against the strongest of these baselines
-                got = [max(got, key=lambda g: g[1])]
-            for m, tok_s, ratio in got:
-                ok.append(ratio >= need)
-                parts.append(f"{w} b{batch}: {OURS} {ours:.1f} tok/s vs {m} {tok_s:.1f} = x{ratio:.2f} "
-                             f"(need x{need:g})")
-        out.append({"goal": goal, "met": all(ok) if ok else None, "detail": "; ".join(parts) or "not measured"})
+            present = [m for m in baselines if m in rows and m in rows[OURS].get("vs", {})]
+            if best_of and present:                  # against the strongest of these baselines (median tok/s)
+                present = [max(present, key=lambda m: rows[m]["tok_s"]["median"])]
+            for m in present:
+                s = rows[OURS]["vs"][m]
+                ok.append(s["median"] >= need)
+                clear.append(s["min"] >= need if s["median"] >= need else s["max"] < need)
+                parts.append(f"{w} b{b} {phase}: {OURS} {rows[OURS]['tok_s']['median']:.1f} vs {m} "
+                             f"{rows[m]['tok_s']['median']:.1f} tok/s, paired {_ratio_text(s)} (need x{need:g})")
+        out.append({"goal": goal, "met": all(ok) if ok else None, "clear": all(clear) if clear else None,
+                    "detail": "; ".join(parts) or "not measured"})
 
-    versus("code edits >= 1.2x ngram at batch 1", code, 1, NGRAMS, 1.2, best_of=True)
-    versus("code edits >= suffix at batch 1", code, 1, ["suffix"], 1.0)
-    versus("code edits >= ngram and suffix at batch 8", code, 8, [*NGRAMS, "suffix"], 1.0)
+    code = [(w, b) for w in summary if w in CODE_WORKLOADS for b in summary[w]]
+    chat = [(w, b) for w in summary if w in CHAT_WORKLOADS for b in summary[w]]
+    versus("code edits >= 1.2x ngram at batch 1 (cold)", [c for c in code if c[1] == "1"], NGRAMS, 1.2,
+           best_of=True)
+    versus("code edits >= 1.05x suffix at batch 1 (cold)", [c for c in code if c[1] == "1"], ["suffix"], 1.05)
+    versus("code edits >= ngram and suffix at batch 8 (cold)", [c for c in code if c[1] == "8"],
+           [*NGRAMS, "suffix"], 1.0)
+    versus("repeated requests >= suffix (again)", [(w, b) for w in summary for b in summary[w]], ["suffix"], 1.0,
+           phase="again")
+    versus("chat >= 0.97x no speculation at batch 1 and 8 (cold)", [c for c in chat if c[1] in ("1", "8")],
+           [REFERENCE], 0.97)
+
+    parts, ok, kept = [], [], {}
+    for w, bs in summary.items():
+        for b, phases in bs.items():
+            for phase, rows in phases.items():
+                for m, r in rows.items():
+                    if m == REFERENCE or r["identical"] is None:
+                        continue
+                    ok.append(r["identical"] == r["requests"])
+                    kept[m] = kept.get(m, 0) + (r["kept"] or 0)
+                    if not ok[-1]:
+                        parts.append(f"{w} b{b} {phase} {m}: {r['identical']}/{r['requests']} identical")
+    for m, n in kept.items():          # a drafter that never had a token kept would pass the identity vacuously
+        ok.append(n > 0)
+        if not n:
+            parts.append(f"{m}: no draft token kept in any cell")
+    detail = "; ".join(parts) or (f"{len(ok) - len(kept)} method cells, all identical; every drafter had drafts kept"
+                                  if ok else "not measured")
+    out.append({"goal": "every output identical to no speculation, with drafts accepted",
+                "met": all(ok) if ok else None, "clear": None, "detail": detail})
+
     parts, ok = [], []
-    for w in chat:
-        for b in summary[w]:
-            got = _ours_vs(summary, w, b, [REFERENCE])
-            for m, tok_s, ratio in got or []:
-                ok.append(ratio >= 0.97)
-                parts.append(f"{w} b{b}: x{ratio:.3f} of no speculation ({tok_s:.1f} tok/s)")
-    out.append({"goal": "chat >= 0.97x no speculation", "met": all(ok) if ok else None,
-                "detail": "; ".join(parts) or "not measured"})
-    parts, ok = [], []
-    for w, batches in summary.items():
-        row = batches.get("8", {}).get(OURS)
+    for w, bs in summary.items():
+        row = bs.get("8", {}).get("cold", {}).get(OURS)
         if row and row["drafter_share"] is not None:
             ok.append(row["drafter_share"] <= 0.05)
-            parts.append(f"{w} b8: {100 * row['drafter_share']:.2f}% ({row['drafter_ms_per_step']:.2f} ms of "
-                         f"{row['step_ms']:.1f} ms per step)")
-    out.append({"goal": "drafter <= 5% of the step at batch 8", "met": all(ok) if ok else None,
+            parts.append(f"{w} b8: {100 * row['drafter_share']:.2f}% ({row['drafter_ms_per_step']:.2f} ms per step, "
+                         f"worst call {_f(row['drafter_ms_worst'], '.1f')} ms)")
+    out.append({"goal": "drafter <= 5% of the step at batch 8", "met": all(ok) if ok else None, "clear": None,
                 "detail": "; ".join(parts) or "not measured"})
+
+    parts, ok = [], []
+    for w, bs in summary.items():
+        for b, phases in bs.items():
+            row = phases.get("cold", {}).get(OURS)
+            gap = calibration_gap(row.get("calibration")) if row else None
+            if gap is not None:
+                ok.append(gap <= 0.05)
+                parts.append(f"{w} b{b}: worst gap {gap:.3f}")
+    out.append({"goal": "calibration: |mean predicted - share kept| <= 0.05 in every bin of >= 50 tokens (cold)",
+                "met": all(ok) if ok else None, "clear": None,
+                "detail": "; ".join(parts) or "not measured (no drafter calibration table, or no bin of 50 tokens)"})
+
+    parts, ok = [], []
+    for clock, ws in (replay or {}).items():
+        for w, bs in ws.items():
+            for b, phases in bs.items():
+                row = phases.get("cold", {}).get(OURS)
+                if b in ("1", "8") and row and row["share"] is not None:
+                    ok.append(row["share"] >= 0.97)
+                    parts.append(f"{clock} {w} b{b}: {100 * row['share']:.1f}%")
+    out.append({"goal": "replay: modelled >= 97% of the oracle-cut ceiling, both step costs, batch 1 and 8 (cold)",
+                "met": all(ok) if ok else None, "clear": None, "detail": "; ".join(parts) or "not measured"})
     return out
 
 
 def goal_lines(gs: list[dict]) -> list[str]:
     word = {True: "met", False: "NOT MET", None: "not measured"}
-    return [f"{word[g['met']]}: {g['goal']} -- {g['detail']}" for g in gs]
+    lines = []
+    for g in gs:
+        note = " (within the spread: not told apart)" if g.get("clear") is False and g["met"] is not None else ""
+        lines.append(f"{word[g['met']]}{note}: {g['goal']} -- {g['detail']}")
+    return lines
 
+
+# ------------------------------------------------------------------------------------------- tables
 
 def _f(x, fmt):
     return "–" if x is None else format(x, fmt)
 
 
-def _once_note(s: dict) -> str:
-    once = [b for b in s.get("once_batches") or [] if b in (s.get("batches") or [])]
-    if s["repeats"] < 2 or not once:
-        return ""
-    return f" (batch {', '.join(map(str, once))}: first repeat only, one run per method)"
+def _tok_s_cells(s: dict | None) -> str:
+    """median | min–max | IQR columns of a tok/s spread."""
+    if s is None:
+        return "– | – | –"
+    if s["n"] < 2:
+        return f"{s['median']:.2f} | – | –"
+    return f"{s['median']:.2f} | {s['min']:.2f}–{s['max']:.2f} | {s['q1']:.2f}–{s['q3']:.2f}"
+
+
+def cell_table(rows: dict) -> list[str]:
+    """One (workload, batch, phase)'s rows, a line per method."""
+    lines = [f"| method | tok/s median | min–max | IQR | {OURS} / this, paired | ms/tok | steps | tok/row-step | "
+             "drafted / kept / wasted | kept by position | drafter ms/call mean / worst | drafter share | same |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for m, r in rows.items():
+        vs = rows.get(OURS, {}).get("vs", {}).get(m)
+        counts = "–" if not r["proposes"] and not r["drafted"] else \
+            f"{r['drafted']:,.0f} / {r['kept']:,.0f} / {r['wasted']:,.0f}"
+        drafter = "–" if r["drafter_ms_mean"] is None else \
+            f"{r['drafter_ms_mean']:.2f} / {_f(r['drafter_ms_worst'], '.1f')}"
+        share = "–" if r["drafter_share"] is None else f"{100 * r['drafter_share']:.2f}%"
+        same = "–" if r["identical"] is None else f"{r['identical']}/{r['requests']}"
+        pre = f" ({r['preemptions']} preempted)" if r["preemptions"] else ""
+        lines.append(f"| {m}{pre} | {_tok_s_cells(r['tok_s'])} | {'' if vs is None else _ratio_text(vs)} | "
+                     f"{_f(r['tpot_ms'], '.1f')} | {_f(r['steps'], '.0f')} | {_f(r['tokens_per_step'], '.2f')} | "
+                     f"{counts} | {'/'.join(map(str, r['accepted_per_pos'])) or '–'} | {drafter} | {share} | "
+                     f"{same} |")
+    return lines
+
+
+def calibration_table(rows: list[dict]) -> list[str]:
+    lines = ["| predicted in | tokens | mean predicted | share kept | gap |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['bin_low']:.1f}–{r['bin_high']:.1f} | {r['tokens']:,} | {r['predicted']:.3f} | "
+                     f"{r['kept']:.3f} | {r['kept'] - r['predicted']:+.3f} |")
+    return lines
+
+
+def replay_table(replay: dict) -> list[str]:
+    lines = ["| step cost | cell | phase | method | steps | tok/row-step | drafted / kept | modelled tok/s | "
+             "ceiling tok/s | modelled / ceiling |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for clock, ws in replay.items():
+        for w, bs in ws.items():
+            for b, phases in bs.items():
+                for phase, methods in phases.items():
+                    for m, x in methods.items():
+                        r, c = x["modelled"], x["ceiling"]
+                        tps = r["tokens"] / r["row_steps"] if r["row_steps"] else None
+                        lines.append(f"| {clock} | {w} b{b} | {phase} | {m} | {r['steps']} | {_f(tps, '.2f')} | "
+                                     f"{r['drafted']:,} / {r['kept']:,} | {_f(r['tok_s'], '.2f')} | "
+                                     f"{'–' if c is None else _f(c['tok_s'], '.2f')} | "
+                                     f"{'–' if x['share'] is None else format(100 * x['share'], '.1f') + '%'} |")
+    return lines
+
+
+def _load_text(load: dict) -> str:
+    if load.get("min") is None:
+        return "load average not recorded"
+    return (f"load average (1 min) {_f(load.get('start'), '.2f')} at the start, {load['min']:.2f}–{load['max']:.2f} "
+            "at the engines' starts and ends")
 
 
 def markdown(result: dict) -> str:
     s, summary = result["settings"], result["summary"]
     env = result.get("engine_info") or {}
+    load = result.get("load") or {}
+    reduced = f"**{s['label']}**  \n" if s.get("label") else ""
     lines = [f"# lookup_decode vs vLLM's drafters in the real vLLM engine ({env.get('vllm_distribution') or 'vLLM'})",
-             "",
-             f"Command: `{result['command']}`  ",
+             "", reduced + f"Command: `{result['command']}`  ",
              f"Model `{s['model']}` ({s['dtype']}), K = {s['k']}, greedy, at most {s['max_tokens']} new tokens"
-             f"{' (EOS ignored)' if s['ignore_eos'] else ''}, {s['requests']} requests per workload and batch size "
-             f"(rounded up to whole batches), prompts <= {s['max_prompt_tokens']} tokens; {s['repeats']} repeat(s) "
-             f"per method in ABBA order, one fresh engine per method and repeat; the {s['stat']} repeat per cell"
-             f"{_once_note(s)}.  ",
+             f"{' (EOS ignored)' if s['ignore_eos'] else ''}, {s['requests']} requests per cell (rounded up to whole "
+             f"batches), prompts <= {s['max_prompt_tokens']} tokens; {s['repeats']} repeat(s), each a block of every "
+             f"(method, cell) in seeded random order (seed {s.get('seed', 0)}); a fresh engine per cell for "
+             f"{'every method' if s.get('fresh') == 'always' else ', '.join(sorted(MEMORY_METHODS))}"
+             f"{'' if s.get('fresh') == 'always' else ', one engine for all cells otherwise'}.  ",
              f"Machine: {result['environment'].get('cpu')} ({result['environment'].get('cpu_count')} CPUs), "
-             f"GPU {env.get('cuda')}; threads {s['threads']}; run took {result.get('run_s', 0) / 60:.1f} min.", "",
-             "tok/s: output tokens / wall seconds of the cell's `llm.generate` calls. ms/tok: per request, (last - "
-             "first token time) / (tokens - 1), vLLM's timestamps, mean over requests. tok/step: tokens a request "
-             "gained per engine step it emitted in (1 without speculation); accept len: 1 + accepted / drafts "
-             "(vLLM's counters). drafter ms/step and share: `drafter.propose` seconds per engine step and over the "
-             "steps' seconds. same: requests whose tokens equal no speculation's (every repeat). last column: "
-             f"{OURS}'s tok/s over this row's.", ""]
+             f"GPU {env.get('cuda')}; threads {s['threads']}; {_load_text(load)}; the run took "
+             f"{result.get('run_s', 0) / 60:.1f} min.", "",
+             "cold: requests this engine had not served; again: the same requests served once more by the same "
+             "engine, right after (what memory across requests gains; vLLM's prefix cache serves their prompts for "
+             "every method). tok/s: output tokens / wall seconds of the cell's `llm.generate` calls, median over "
+             "repeats with min–max and IQR. paired: lookup_decode's tok/s over this method's in the same repeat, "
+             "median (min–max). ms/tok: per request, (last - first token time) / (tokens - 1), mean over "
+             "requests. steps: engine steps that ran the model. tok/row-step: tokens a request gained per step it "
+             "emitted in (1 without speculation). drafted / kept / wasted: vLLM's spec-decode counters (draft "
+             "tokens, accepted, their difference); kept by position: accepted draft tokens at positions 1..K, "
+             "summed over repeats. drafter ms/call: `drafter.propose` seconds per call, mean and "
+             "worst over every repeat; share: over the steps' seconds. Every count is a median over repeats. "
+             "same: requests whose tokens equal no speculation's in every repeat.", ""]
     for workload, batches in summary.items():
-        lines += [f"## {workload}", "",
-                  "| batch | method | tok/s | ms/tok | tok/step | accept len | drafts / draft tok / accepted | "
-                  f"drafter ms/step | drafter share | same | {OURS} / this |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for b, rows in batches.items():
-            for m, r in rows.items():
-                counts = "–" if r["proposes"] == 0 and not r["drafts"] else \
-                    f"{r['drafts']:,} / {r['draft_tokens']:,} / {r['accepted']:,}"
-                same = "–" if r["identical"] is None else f"{r['identical']}/{r['requests']}"
-                vs = rows.get(OURS, {}).get("vs", {}).get(m)
-                ratio = "" if vs is None else f"x{vs:.2f}"
-                pre = f" ({r['preemptions']} preempted)" if r["preemptions"] else ""
-                lines.append(f"| {b} | {m}{pre} | {_f(r['tok_s'], '.1f')} | {_f(r['tpot_ms'], '.1f')} | "
-                             f"{_f(r['tokens_per_step'], '.2f')} | {_f(r['acceptance_length'], '.2f')} | {counts} | "
-                             f"{_f(r['drafter_ms_per_step'], '.2f')} | "
-                             f"{'–' if r['drafter_share'] is None else format(100 * r['drafter_share'], '.1f') + '%'}"
-                             " | "
-                             f"{same} | {ratio} |")
-        lines.append("")
+        for b, phases in batches.items():
+            for phase, rows in phases.items():
+                n = max(r["repeats"] for r in rows.values())
+                lines += [f"## {workload}, batch {b}, {phase} ({n} repeat{'s' if n > 1 else ''})", ""]
+                lines += cell_table(rows) + [""]
+    cal = [(w, b, ph, r[OURS]["calibration"]) for w, bs in summary.items() for b, phs in bs.items()
+           for ph, r in phs.items() if OURS in r and r[OURS].get("calibration")]
+    lines += ["## Calibration of lookup_decode's acceptance model", ""]
+    if cal:
+        lines += ["Draft tokens sent, by the probability the drafter gave them of being kept (`drafter.stats."
+                  "calibration()`, differences around each cell, summed over repeats).", ""]
+        for w, b, ph, rows in cal:
+            lines += [f"### {w}, batch {b}, {ph}", ""] + calibration_table(rows) + [""]
+    else:
+        lines += ["Not measured: the drafter keeps no reliability table (`stats.calibration()`).", ""]
+    replay = result.get("replay")
+    lines += ["## Modelled on the recorded outputs", ""]
+    if replay:
+        from benchmarks.vllm.modelled import CLOCKS
+        costs = "; ".join(f"{name} {1e3 * f:g} ms + {1e3 * s_:g} ms per verified token"
+                          for name, (f, s_) in CLOCKS.items())
+        lines += [f"The run's greedy outputs (no speculation's) as the target of the CPU simulation of vLLM's runner "
+                  f"(`benchmarks/vllm/modelled.py`), cells served as the engines served them (a fresh drafter per "
+                  f"cell, the warm-up first, then cold and again). Step costs: {costs}; decode steps only. "
+                  "modelled: the method as configured; ceiling: its every proposed token, each draft cut to what "
+                  "the target keeps. No wall clock: the numbers do not depend on the machine's load.", ""]
+        lines += replay_table(replay) + [""]
+    else:
+        lines += ["Not run (`--no-replay`, or no reference outputs).", ""]
     lines += ["## Goals (this machine)", ""] + [f"* {line}" for line in goal_lines(result["goals"])]
     errors = [r for r in result["runs"] if "error" in r]
     if errors:
@@ -518,26 +817,32 @@ def markdown(result: dict) -> str:
 
 def default_model() -> str | None:
     """The default model as a transformers folder: $LOOKUP_DECODE_HF_MODEL, else `./smollm2-hf` (what
-    `lookup-decode export-hf ./smollm2-hf` writes), else `scratch/smollm2-hf` beside the repository."""
-    for p in (os.environ.get("LOOKUP_DECODE_HF_MODEL"), "smollm2-hf", REPO.parent / "scratch" / "smollm2-hf"):
+    `lookup-decode export-hf ./smollm2-hf` writes), else `scratch/smollm2-hf` beside the repository, else the
+    `smollm2-135m-instruct` folder of the running virtual environment (how the vLLM test venv is laid out)."""
+    for p in (os.environ.get("LOOKUP_DECODE_HF_MODEL"), "smollm2-hf", REPO.parent / "scratch" / "smollm2-hf",
+              Path(sys.prefix) / "smollm2-135m-instruct"):
         if p and (Path(p) / "config.json").is_file():
             return str(Path(p).resolve())
     return None
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=None, help="a transformers model folder (default: the exported default model)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS, help="benchmarks.harness.workloads names")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests", type=int, default=2, help="requests per workload and batch size (rounded up to "
-                    "whole batches: batch 8 runs 8, batch 32 runs 32)")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--once-batches", type=int, nargs="*", default=[32],
-                    help="batch sizes measured in the first repeat only (the costliest cells on a CPU; none: every "
-                    "batch size in every repeat)")
-    ap.add_argument("--stat", choices=["min", "median"], default="min")
+    ap.add_argument("--model", default=None, help="a transformers model folder (default: see default_model)")
+    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
+    ap.add_argument("--cells", nargs="+", default=None, help="WORKLOAD:BATCH cells, e.g. code:1 chat:8 (aliases: "
+                    f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}); default: every --workloads x --batches")
+    ap.add_argument("--workloads", nargs="+", default=["code_edit", "mt_bench"],
+                    help="benchmarks.harness.workloads names (without --cells)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (without --cells)")
+    ap.add_argument("--requests", type=int, default=8, help="requests per cell (rounded up to whole batches)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0, help="the order of the engines in each repeat")
+    ap.add_argument("--no-again", dest="again", action="store_false",
+                    help="serve each cell once (no repeated-request cells)")
+    ap.add_argument("--fresh-engine", choices=["memory", "always"], default="memory",
+                    help="a fresh engine per cell for the methods that remember across requests (memory), or for "
+                    "every method (always)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every method")
     ap.add_argument("--max-prompt-tokens", type=int, default=640, help="requests with longer prompts are left out "
                     "(prefill is ~5 ms a token on one CPU core: long prompts cost the run more than decoding)")
@@ -554,11 +859,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="lookup_decode settings as JSON, passed as additional_config={'lookup_decode': ...}")
     ap.add_argument("--engine-args", type=json.loads, default=None,
                     help="JSON object of extra LLM() arguments for every engine (null removes a default)")
+    ap.add_argument("--no-replay", dest="replay", action="store_false",
+                    help="skip the modelled replay of the recorded outputs")
+    ap.add_argument("--label", default=None, help="a line at the top of NAME.md (e.g. 'reduced run, noisy')")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine process")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="engine", help="output files NAME.json and NAME.md")
     ap.add_argument("--from-json", type=Path, default=None,
-                    help="re-make the table and goals from a saved NAME.json (no engine runs)")
+                    help="re-make the tables and goals from a saved NAME.json (no engine runs; with --replay-again "
+                    "the replay is run again too)")
+    ap.add_argument("--replay-again", action="store_true", help="with --from-json: run the replay again")
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -568,6 +878,11 @@ def parse_args(argv) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if min(args.batches) < 1 or args.requests < 1 or args.repeats < 1 or args.k < 1 or args.max_tokens < 1:
         ap.error("--batches, --requests, --repeats, --k and --max-tokens must be >= 1")
+    try:
+        args.cell_list = parse_cells(args.cells) if args.cells else [(w, b) for w in args.workloads
+                                                                     for b in args.batches]
+    except ValueError as e:
+        ap.error(str(e))
     return args
 
 
@@ -587,21 +902,33 @@ def load_requests(tokenizer, workloads: list[str], limit_tokens: int) -> tuple[l
     return requests, available
 
 
-def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: float, workdir: Path) -> list[dict]:
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def run_engines(plan: dict, threads, timeout: float, workdir: Path, checkpoint=None) -> list[dict]:
+    """Every job of the plan, one engine process each, in order; checkpoint(runs) after each (a run cut short
+    keeps what it measured)."""
     plan_path = workdir / "plan.json"
     plan_path.write_text(json.dumps(plan))
     env = child_env(dict(os.environ), threads)
     runs = []
-    order = abba(methods, repeats)
-    for n, (repeat, method) in enumerate(order, 1):
-        out, log = workdir / f"{repeat}_{method}.json", workdir / f"{repeat}_{method}.log"
-        print(f"--- engine {n}/{len(order)}: {method} (repeat {repeat}); log {log}", flush=True)
-        t = time.perf_counter()
+    jobs = plan["jobs"]
+    for n, job in enumerate(jobs):
+        method, repeat = job["method"], job["repeat"]
+        stem = f"{n:03d}_{repeat}_{method}"
+        out, log = workdir / f"{stem}.json", workdir / f"{stem}.log"
+        cells = ", ".join(f"{plan['cells'][c]['workload']} b{plan['cells'][c]['batch']}" for c in job["cells"])
+        print(f"--- engine {n + 1}/{len(jobs)}: {method} (repeat {repeat}; {cells}); log {log}", flush=True)
+        t, load = time.perf_counter(), _load()
         with open(log, "w") as f:
             try:
-                rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm.engine", "child", str(plan_path), method,
-                                     str(out), str(repeat)], check=False, cwd=REPO, env=env, stdout=f,
-                                    stderr=subprocess.STDOUT, timeout=timeout).returncode
+                rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm.engine", "child", str(plan_path), str(n),
+                                     str(out)], check=False, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         tail = log.read_text(errors="replace")[-4000:]
@@ -609,27 +936,75 @@ def run_engines(plan: dict, methods: list[str], repeats: int, threads, timeout: 
             run = json.loads(out.read_text())
             print("\n".join(line for line in tail.splitlines() if line.startswith(f"[{method}]")), flush=True)
         else:
-            run = {"method": method, "error": f"exit {rc}\n{tail}"}
+            run = {"method": method, "repeat": repeat, "job": n, "error": f"exit {rc}\n{tail}"}
             if "_lib_fn_wrapper" in tail:    # vLLM CPU's kernel-override scan trips on llvmlite's library object
                 print("!!! numba (llvmlite) was imported before vLLM's worker started, e.g. by a vllm.general_plugins "
                       "entry point that imports numba; VLLM_PLUGINS=<the other plugins> leaves it out", flush=True)
             print(f"!!! {method} (repeat {repeat}) failed ({rc}):\n{tail[-1500:]}", flush=True)
-        run.update(repeat=repeat, seconds=time.perf_counter() - t)
+        run.update(seconds=time.perf_counter() - t, load_start=load, load_end=_load())
         runs.append(run)
+        if checkpoint is not None:
+            checkpoint(runs)
         done = sum(r["seconds"] for r in runs)
-        print(f"--- {run['seconds']:.0f} s; {done / 60:.1f} min so far", flush=True)
+        left = done / len(runs) * (len(jobs) - len(runs))
+        print(f"--- {run['seconds']:.0f} s; {done / 60:.1f} min so far, ~{left / 60:.0f} min left", flush=True)
     return runs
+
+
+def replay_cells(result: dict) -> tuple[list[dict], list]:
+    """The replay's cells ({"workload", "batch", "groups": [[(prompt, output), ...]]}) and warm-up pairs from a
+    result: the plan's cells, its prompts, the reference outputs (no speculation's) and that engine's warm-up."""
+    refs = reference_outputs(result["runs"])
+    prompts = result["prompts"]
+    cells = []
+    for c in result["cells"]:
+        outs = refs.get((c["workload"], c["batch"]))
+        if outs is None:
+            continue
+        cells.append({"workload": c["workload"], "batch": c["batch"],
+                      "groups": [[(prompts[str(i)], outs[str(i)]) for i in g] for g in c["groups"]]})
+    run = next((r for r in result["runs"] if r["method"] == REFERENCE and "warmup_tokens" in r),
+               next((r for r in result["runs"] if "warmup_tokens" in r), None))
+    warmup = list(zip(result.get("warmup") or [], run["warmup_tokens"])) if run else []
+    return cells, warmup
+
+
+def run_replay(result: dict) -> dict | None:
+    """The modelled replay of a result's recorded outputs (None without prompts or reference outputs, or when it
+    fails: the engines' results are kept, the error printed and stored as result["replay_error"])."""
+    from benchmarks.vllm import modelled
+    if "prompts" not in result:
+        return None
+    cells, warmup = replay_cells(result)
+    if not cells:
+        return None
+    s = result["settings"]
+    eos = s.get("eos_token_ids") or ()
+    t = time.perf_counter()
+    try:
+        out = modelled.replay(cells, s["methods"], k=s["k"], max_model_len=s["max_model_len"], eos=eos,
+                              lookup_config=s.get("lookup_config"), warmup=warmup, again=s.get("again", True))
+    except Exception:                   # noqa: BLE001 -- hours of engine results must still be written
+        import traceback
+        result["replay_error"] = traceback.format_exc()
+        print(f"!!! replay failed:\n{result['replay_error']}", flush=True)
+        return None
+    print(f"--- replay: {time.perf_counter() - t:.0f} s", flush=True)
+    return out
 
 
 def finish(result: dict, out: Path, name: str) -> None:
     """Summary, goals, files, printout."""
+    out = Path(out)
     from benchmarks.harness.results import write_result
-    result["summary"] = summarize(result["runs"], result["settings"]["stat"])
-    result["goals"] = goals(result["summary"])
+    result["summary"] = summarize(result["runs"])
+    result["goals"] = goals(result["summary"], result.get("replay"))
+    loads = [x for r in result["runs"] for x in (r.get("load_start"), r.get("load_end")) if x is not None]
+    result["load"] = {**(result.get("load") or {}), "min": min(loads, default=None), "max": max(loads, default=None)}
     info = next((r["info"] for r in result["runs"] if "info" in r), None)
     result["engine_info"] = info
     text = markdown(result)
-    write_result(out, name, result, text)
+    write_result(out, name, result, text, echo=False)
     print("\n".join(goal_lines(result["goals"])))
     print(f"--- wrote {out / (name + '.json')} and {out / (name + '.md')}")
 
@@ -639,6 +1014,8 @@ def main(argv=None) -> None:
     from lookup_decode.measure import command_line, environment
     if args.from_json:
         result = json.loads(args.from_json.read_text())
+        if args.replay_again:
+            result["replay"] = run_replay(result)
         finish(result, args.out, args.name)
         return
     model = args.model or default_model()
@@ -649,37 +1026,48 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
     threads = args.threads if args.threads is not None else (None if cuda else 1)
     eager = {"yes": True, "no": False, "auto": not cuda}[args.eager]
+    from benchmarks.harness.workloads import eos_of
     from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer(model)
     limit = min(args.max_prompt_tokens, args.max_model_len - args.max_tokens - args.k - 1)
-    requests, available = load_requests(tokenizer, args.workloads, limit)
+    workloads = list(dict.fromkeys(w for w, _ in args.cell_list))
+    requests, available = load_requests(tokenizer, workloads, limit)
     try:
-        cells = plan_cells(available, args.batches, args.requests, args.once_batches if args.repeats > 1 else ())
+        cells = plan_cells(available, args.cell_list, args.requests)
     except ValueError as e:
         raise SystemExit(f"benchmarks.vllm.bench engine: {e}")
+    jobs = plan_jobs(args.methods, len(cells), args.repeats, args.seed, args.fresh_engine)
     used = sorted({i for c in cells for g in c["groups"] for i in g})
     settings = {"model": model, "k": args.k, "max_tokens": args.max_tokens, "max_model_len": args.max_model_len,
                 "kv_cache_memory_bytes": args.kv_cache_bytes or None, "dtype": args.dtype, "enforce_eager": eager,
                 "ignore_eos": args.ignore_eos, "lookup_config": args.lookup_config, "engine_args": args.engine_args,
                 "threads": threads, "requests": args.requests, "max_prompt_tokens": limit, "repeats": args.repeats,
-                "stat": args.stat, "once_batches": args.once_batches, "methods": args.methods,
-                "workloads": args.workloads, "batches": args.batches}
+                "seed": args.seed, "again": args.again, "fresh": args.fresh_engine, "methods": args.methods,
+                "cells": [f"{w}:{b}" for w, b in args.cell_list], "label": args.label,
+                "eos_token_ids": list(eos_of(tokenizer))}
     warmup = [chat_prompt(tokenizer, t) for t in WARMUP_TEXTS]
     keep = set(used)              # the child indexes requests by position; unused ones are left out (None)
     plan = {"settings": settings, "requests": [r if i in keep else None for i, r in enumerate(requests)],
-            "cells": cells, "warmup": warmup}
-    per_workload = {w: sum(len(g) for c in cells if c["workload"] == w for g in c["groups"]) for w in args.workloads}
-    print(f"--- {len(used)} requests {per_workload}, {len(cells)} cells, {len(args.methods) * args.repeats} engines",
-          flush=True)
+            "cells": cells, "jobs": jobs, "warmup": warmup}
+    per_cell = {f"{c['workload']}:{c['batch']}": sum(map(len, c["groups"])) for c in cells}
+    print(f"--- {len(used)} requests {per_cell}, {len(jobs)} engines", flush=True)
     env = environment(device="cuda" if cuda else "cpu", threads=threads, model_path=model)
     env["command"] = command_line()
     t = time.perf_counter()
     logs = Path(tempfile.mkdtemp(prefix="bench_vllm_engine_"))      # kept: each engine's log
-    runs = run_engines(plan, args.methods, args.repeats, threads, args.timeout, logs)
-    result = {"command": env["command"], "environment": env, "settings": settings, "run_s": time.perf_counter() - t,
+    result = {"command": env["command"], "environment": env, "settings": settings, "load": {"start": _load()},
+              "cells": cells, "jobs": jobs, "warmup": warmup,
               "requests": {w: [requests[i]["id"] for c in cells if c["workload"] == w for g in c["groups"] for i in g]
-                           for w in args.workloads},
-              "runs": runs}
+                           for w in workloads},
+              "prompts": {str(i): requests[i]["prompt_token_ids"] for i in used}, "runs": []}
+
+    def checkpoint(runs):              # NAME.json as it goes: `--from-json` renders a run cut short
+        from benchmarks.harness.results import write_result
+        write_result(args.out, args.name, {**result, "runs": runs, "run_s": time.perf_counter() - t})
+
+    result["runs"] = run_engines(plan, threads, args.timeout, logs, checkpoint)
+    result["run_s"] = time.perf_counter() - t
+    result["replay"] = run_replay(result) if args.replay else None
     finish(result, args.out, args.name)
 
 
@@ -689,7 +1077,7 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "child":
+    if len(sys.argv) == 5 and sys.argv[1] == "child":
         run_child(*sys.argv[2:])
     else:
         main()

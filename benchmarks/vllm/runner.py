@@ -22,7 +22,9 @@ What it reproduces of vLLM (read from vllm/v1/worker/gpu_input_batch.py and gpu_
   (v1/sample/rejection_sampler.py ~870-884) and draws the recovered token from p_target without d. Here
   p_target puts 1 - p_off on the request's known token and spreads p_off over the vocabulary; a token drawn off
   the known one replaces it in the request's continuation;
-* a clock: each step takes step_seconds(tokens verified) of simulated time (`now`), for drafters that time steps.
+* a clock: each step takes step_seconds(tokens verified) of simulated time (`now`), for drafters that time steps;
+* a trace: per step (prefill tokens computed, decode tokens verified, decode rows), so a replay can price the
+  decode steps on its own step cost (benchmarks/vllm/modelled.py).
 Used by tests/test_vllm.py and the vLLM benchmarks; no vLLM needed.
 """
 
@@ -74,6 +76,7 @@ class SimRunner:
         self.step_seconds = step_seconds        # tokens verified in a step -> its seconds (None: no clock)
         self.now = 0.0
         self.skipped = self.preempted = self.proposes = 0
+        self.trace: list[tuple[int, int, int]] = []    # per step: (prefill tokens, decode tokens verified, decode rows)
 
     def _add(self, req: SimRequest) -> bool:
         free = [i for i, r in enumerate(self.rows) if r is None]
@@ -177,18 +180,20 @@ class SimRunner:
             # 3. The forward: prefill chunks, or verify each row's pending draft against its truth.
             B = max(used) + 1 if used else 0
             sampled: list[list[int]] = [[] for _ in range(B)]
-            verified = 0
+            verified = prefill = decode_rows = 0
             for i in used:
                 r = self.rows[i]
                 target = max(r.to_prefill, len(r.prompt))
                 if r.prefilled < target:
                     verified += min(target - r.prefilled, r.chunk)
+                    prefill += min(target - r.prefilled, r.chunk)
                     r.prefilled = min(target, r.prefilled + r.chunk)
                     if r.prefilled < target:
                         continue                                 # partial prefill: nothing sampled
                     new = [int(r.truth[len(r.out)])]
                 else:
                     verified += 1 + len(r.draft)
+                    decode_rows += 1
                     new = self._verify(r)
                     r.emitted.append(len(new))
                 new = new[: len(r.truth) - len(r.out)]          # the engine stops at max_tokens
@@ -197,6 +202,8 @@ class SimRunner:
                 self.num_tokens_no_spec[i] = c + len(new)
                 r.out.extend(new)
                 sampled[i] = new
+            if B:
+                self.trace.append((prefill, verified - prefill, decode_rows))
             if self.step_seconds is not None:
                 self.now += self.step_seconds(verified)
             # 4. Draft for the next step, unless a row is within k tokens of max_model_len: then vLLM skips the
