@@ -141,8 +141,10 @@ def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, st
     limits = [min(policy.k, rows.room(b)) for b in rows.active]
     fulls = checked_rows([drafters[b].propose(limit) for b, limit in zip(rows.active, limits)],
                          [drafters[b] for b in rows.active], limits, forward.vocab)
-    # 2. Choose one width for the forward: within it a row's extra draft tokens cost nothing more.
-    n = policy.choose(fulls, rows.active) - 1
+    # 2. Price every draft token (the acceptance model), then choose one width for the forward: within it a row's
+    # extra draft tokens cost nothing more.
+    p = policy.p_kept(fulls, rows.active)
+    n = policy.choose(fulls, p) - 1
     drafts = [policy.fit(full, n, limit, forward.draft_kind) for full, limit in zip(fulls, limits)]
     stats.proposer_s += time.perf_counter() - t
 
@@ -173,13 +175,12 @@ def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, st
                                      for d, k, e in zip(drafts, kept, emitted)))
     # Calibration: the probabilities the policy priced the sent chains with against the prefix kept. A tree is
     # scored on its chain (first branch) only: the model prices chains, and a kept side branch is no chain token.
-    # Tokens a compiled forward padded past the full draft were priced 0 (policy.last_p is 0 there).
+    # Tokens a compiled forward padded past the full draft were priced 0 (p is 0 there).
     sent = [len(d.chain) for d in drafts]
     on_chain = [k if d.parents is None else kept_prefix(d.chain, e) for d, k, e in zip(drafts, kept, emitted)]
-    priced = policy.last_p
-    if priced.shape[1] < max(sent, default=0):
-        priced = np.pad(priced, ((0, 0), (0, max(sent) - priced.shape[1])))
-    stats.reliability.observe_rows(priced, sent, on_chain)
+    if p.shape[1] < max(sent, default=0):
+        p = np.pad(p, ((0, 0), (0, max(sent) - p.shape[1])))
+    stats.reliability.observe_rows(p, sent, on_chain)
     policy.observe_rows(fulls, emitted, rows=active)
     if policy.cost is not None and forward.learns_cost:
         policy.cost.observe(len(active), width, verify_s)

@@ -128,13 +128,14 @@ class DraftPolicy:
         table[:, w + 1:] = table[:, w: w + 1]
         return table
 
-    def choose(self, drafts: list[Draft], rows=None) -> int:
+    def choose(self, drafts: list[Draft], p: np.ndarray | None = None) -> int:
         """Draft width w (tokens per row in the verify forward, 1 = no draft) maximizing E[emitted] / cost(w).
 
         Each row drafts min(len(its chain), w - 1) tokens: within one padded forward a row's extra
-        draft tokens cost nothing more, so only the common width is a choice. Sets `last_p`.
+        draft tokens cost nothing more, so only the common width is a choice. p: `p_kept(drafts, rows)`
+        (default: rows 0..r-1). Sets `last_p`.
         """
-        p = self.p_kept(drafts, rows)
+        p = self.p_kept(drafts) if p is None else p
         self.last_p = p
         max_d = p.shape[1]
         if max_d == 0 or self.cost is None:
