@@ -165,7 +165,8 @@ def test_new_slots_start_from_what_all_slots_saw():
     t = pool.add(0)
     got = pool.step(matrix, np.array([0]), np.array([t]), np.array([0]), np.array([100]), np.array([8]),
                     np.array([False]))
-    assert got.lengths[0] == 8 and np.all(got.p_kept[0, :8] > fresh + 0.2)
+    # From the measured root (0.99 per token after a long match) toward what the pool saw (every token kept).
+    assert got.lengths[0] == 8 and np.all(got.p_kept[0, :8] > fresh) and got.p_kept[0, 7] > fresh[7] + 0.05
 
 
 def test_growth_work_per_step_is_bounded_at_any_context():

@@ -30,6 +30,7 @@ from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of
 from benchmarks.replay import sessions as memory_sessions
 from benchmarks.replay.drafts import load_cost_curve
+from lookup_decode.core.acceptance import new_counts
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.index import SuffixIndex
@@ -68,6 +69,8 @@ def run(workload, sessions, tokenizer, *, use_memory: bool, cap: int, cost: Cost
     groups: dict[str, dict] = {}
     from_source: dict[str, int] = {}
     t0 = time.perf_counter()
+    # One engine's pooled acceptance counts for every request, as `generate` keeps one per model across calls.
+    pooled = new_counts()
     for session in sessions:
         memory = Memory(max_tokens=max_tokens) if use_memory else None
         corpora = [c for c in (("memory", memory), ("references", refs)) if c[1] is not None]
@@ -84,7 +87,8 @@ def run(workload, sessions, tokenizer, *, use_memory: bool, cap: int, cost: Cost
                                                                    max_match=cfg.max_match, eos_token_ids=eos,
                                                                    **corpus_kw)
                 proposer.extend(prompt)
-                stats = replay(proposer, output, cap, DraftPolicy(cap, cost) if mode == "adaptive" else None)
+                stats = replay(proposer, output, cap, DraftPolicy(cap, cost, counts=pooled)
+                               if mode == "adaptive" else None)
                 g[mode].merge(stats)
                 if mode == "fixed" and corpora:
                     for k, v in proposer.accepted_from.items():

@@ -17,7 +17,8 @@ The cells form a hierarchy, each level adding features to its parent's:
 
 Counts (kept, tried) are pooled over every row and request of the engine (one `DraftPolicy`, one `IndexPool`), a
 cell forgetting FORGET per observation of it, and a cell's estimate is shrunk to its parent's:
-q_l = (kept_l + BACKOFF q_(l-1)) / (tried_l + BACKOFF), q_(-1) = 1/2. A sparse cell thus says what its parent
+q_l = (kept_l + BACKOFF q_(l-1)) / (tried_l + BACKOFF), q_(-1) the measured root (ROOT_FIRST, ROOT_LATER).
+A sparse cell thus says what its parent
 says, a full one what it saw. Each request then deviates from the pool by its own evidence: over the positions it
 decided, the kept tokens K against the pooled predictions P (and the missed M against 1 - q, Q), decayed by
 REQUEST_FORGET per decided position, scale the odds of q by ((K + W) / (P + W)) / ((M + W) / (Q + W)),
@@ -48,7 +49,13 @@ BACKOFF = 16.0           # a parent's estimate weighs as this many observations 
 REQUEST_WEIGHT = 32.0    # the pooled prediction weighs as this many tokens against a request's own
 REQUEST_FORGET = 0.98    # per decided position: a request's deviation follows its last ~50 decided tokens
 RATE_FORGET = 0.85       # per observed step: the copy rate follows the last few steps (~16 tokens)
-ROOT = 0.5               # the estimate above level 0
+# The estimate above level 0, per match bucket, for the first draft position and for later ones (q, conditional
+# on the tokens before kept): what an engine that has seen nothing assumes. Measured by offline replay of the suffix
+# index on real large-model outputs (six sets; `python -m benchmarks.replay.drafts --measure-priors`,
+# benchmarks/results/replay/priors.md). Every level shrinks toward it, so a fresh engine (or a replay that starts
+# each request afresh) drafts as a copy-aware engine would, and its own evidence takes over cell by cell.
+ROOT_FIRST = np.array([0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99])
+ROOT_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
 
 # Cells per level and where each level starts in the one counts array.
 LEVELS = 4
@@ -124,9 +131,9 @@ def _cells(temp, j, rate, b, past, branched, source, out):
 
 
 @njit(cache=True, nogil=True)
-def _pooled(counts, cells):
-    """q from the cells of one position, each level shrunk to its parent's estimate."""
-    q = ROOT
+def _pooled(counts, cells, j, b):
+    """q of draft position j (match bucket b) from its cells, each level shrunk to its parent's estimate."""
+    q = ROOT_FIRST[b] if j == 0 else ROOT_LATER[b]
     for level in range(LEVELS):
         c = cells[level]
         q = (counts[c, 0] + BACKOFF * q) / (counts[c, 1] + BACKOFF)
@@ -153,7 +160,7 @@ def predict(counts, request, match_len, branched, source, temperature, d, out):
     p = 1.0
     for j in range(d):
         _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
-        p *= _deviate(request, _pooled(counts, cells))
+        p *= _deviate(request, _pooled(counts, cells, j, b))
         out[j] = p
 
 
@@ -169,7 +176,7 @@ def observe(counts, request, match_len, branched, source, temperature, decided, 
     temp, rate, b = temperature_class(temperature), rate_class(request), bucket(match_len)
     for j in range(min(kept + 1, decided)):
         _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
-        q = _pooled(counts, cells)
+        q = _pooled(counts, cells, j, b)
         hit = 1.0 if j < kept else 0.0
         for f in range(4):
             request[DEV_KEPT + f] *= REQUEST_FORGET
