@@ -269,3 +269,13 @@ def test_gpus_per_actor_reaches_the_job(monkeypatch, tmp_path):
         commands.main(args + ["--gpus-per-actor", "-1"])
     with pytest.raises(SystemExit, match="--gpus-per-actor is an option of --engine vllm"):
         commands.main(["run", "--input", "x", "--output", "y", "--gpus-per-actor", "1"])
+
+
+def test_the_job_remembers_across_records_unless_told_not_to():
+    from lookup_decode.cli.commands import build_parser
+    from lookup_decode.engines.batch.job import Job
+    from lookup_decode.engines.batch.vllm import lookup_settings
+    assert Job().memory and "memory" not in lookup_settings(Job())       # the drafter's memory is on by default
+    assert lookup_settings(Job(memory=False))["memory"] is False
+    args = build_parser().parse_args(["run", "--input", "in.jsonl", "--output", "out.jsonl", "--no-memory"])
+    assert args.no_memory

@@ -140,6 +140,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="records per generate call (default 4)")
     p.add_argument("--references", default=None, help="folder of text files every record may copy from")
     p.add_argument("--plain", action="store_true", help="plain batched model.generate (no lookup): a baseline")
+    p.add_argument("--no-memory", action="store_true", help="do not draft from the outputs of earlier records (by "
+                   "default each worker remembers the outputs it wrote)")
     p.add_argument("--ray", action="store_true", help="run on Ray Data: an actor pool, one model per actor")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (implies --ray; default: start "
                    "a local one)")
@@ -172,6 +174,7 @@ def cmd_run(args) -> int:
     job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
               threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
               lookup=lookup_config(args), references=args.references, plain=args.plain, engine=args.engine,
+              memory=not args.no_memory,
               max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager or None,
               gpus_per_actor=args.gpus_per_actor)

@@ -20,7 +20,8 @@ class HfEngine:
 
     def __init__(self, job):
         from lookup_decode.engines.hf.models import load_quietly
-        from lookup_decode.sources.memory import load_references
+        from lookup_decode.engines.vllm.settings import Settings  # the vLLM drafter's bound, for both engines
+        from lookup_decode.sources.memory import Memory, load_references
         self.job = job
         self.model, self.tokenizer = load_quietly(job.model, job.threads)   # no GGUF progress bars
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
@@ -28,6 +29,8 @@ class HfEngine:
         self.eos = eos_ids(self.model.generation_config)
         self.context = getattr(self.model.config, "max_position_embeddings", None)
         self.references = (load_references(job.references, tokenizer=self.tokenizer) if job.references else None)
+        # The outputs of the records this worker ran, drafted from by the next ones (as vLLM's drafter does).
+        self.memory = Memory(max_tokens=Settings.memory_tokens) if job.memory and not job.plain else None
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.batches = 0                  # generate calls so far
 
@@ -67,7 +70,8 @@ class HfEngine:
                 out = self.model.generate(input_ids, **kwargs)
             else:
                 stats = lookup_decode.DecodeStats()
-                hook = lookup_decode.lookup_decoding(self.job.lookup, stats=stats, references=self.references)
+                hook = lookup_decode.lookup_decoding(self.job.lookup, stats=stats, references=self.references,
+                                                     memory=self.memory)
                 out = self.model.generate(input_ids, custom_generate=hook, **kwargs)
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
         return [output_record(item, ids, trim_at_eos(out[b, P:], self.eos).tolist(), self.tokenizer,

@@ -43,6 +43,8 @@ class Job:
     lookup: LookupConfig = field(default_factory=LookupConfig)   # the options of every generate call
     references: str | None = None     # folder of documents every record may copy from (`load_references`)
     plain: bool = False               # no lookup: plain batched generate / vLLM without speculation (a baseline)
+    memory: bool = True               # each worker drafts from the outputs of the records it ran before (one job
+                                      # is one user's data; benchmarks/results/memory_replay: never below x0.99)
     engine: str = "transformers"      # "transformers" (`batch.hf.HfEngine`) or "vllm" (`batch.vllm.VllmEngine`)
     # vLLM only (`batch.vllm.llm_kwargs`); None: vLLM's default, or on a CPU the one the CPU build needs
     max_model_len: int | None = None  # longest prompt + output; None: the model's context

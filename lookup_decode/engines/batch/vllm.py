@@ -75,6 +75,8 @@ def lookup_settings(job) -> dict:
         out["adaptive"] = False      # verify everything the index proposes, as LookupConfig(adaptive=False) does
     if job.references:
         out["references"] = str(Path(job.references).resolve())
+    if not job.memory:
+        out["memory"] = False        # the drafter remembers outputs unless told not to
     return out
 
 
