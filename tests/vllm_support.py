@@ -338,3 +338,70 @@ def mixed_requests(tok) -> tuple[list[str], list[int]]:
         ("List the numbers from 1 to 30, separated by commas.", 72),
     ]
     return [chat(tok, t) for t, _ in texts], [m for _, m in texts]
+
+
+# -- per-request settings (extra_args), per-request metrics (tests/test_vllm_requests.py) ----------------
+def generate_requests(llm, prompts, max_tokens, extra_args, **sampling):
+    """RequestOutputs of `prompts`, request i with SamplingParams(extra_args=extra_args[i]) (None: none); greedy
+    unless told. vLLM passes extra_args through to the runner's request state, where the drafter reads them."""
+    from vllm import SamplingParams
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    sampling.setdefault("temperature", 0.0)
+    params = [SamplingParams(max_tokens=m, extra_args=dict(x) if x else None, **sampling)
+              for m, x in zip(max_tokens, extra_args)]
+    return llm.generate(list(prompts), params, use_tqdm=False)
+
+
+def request_metrics(output) -> dict | None:
+    """vLLM's own per-request speculative metrics of a RequestOutput (engine built with
+    per_request_spec_decode_metrics="summary"), as the OpenAI server reports them under
+    `metrics.speculative_decoding`: num_draft_tokens, num_accepted_draft_tokens, num_spec_steps, histogram..."""
+    metrics = output.outputs[0].spec_decode_metrics
+    return None if metrics is None else metrics.to_dict()
+
+
+def tokens_per_step(n_tokens: int, accepted: int) -> float:
+    """Tokens a request emitted per engine step: every step emits one token plus the draft tokens it accepted."""
+    return n_tokens / max(n_tokens - accepted, 1)
+
+
+def engine_request_id(probe: dict, output_id: str) -> str:
+    """The engine's id of LLM.generate's request `output_id` (the engine core names it "<id>-<suffix>"), from
+    the ids a StepProbe saw scheduled."""
+    seen = {r for s in probe["steps"] for r in s["scheduled"]}
+    found = [r for r in seen if r == output_id or r.rsplit("-", 1)[0] == output_id]
+    assert len(found) == 1, f"request {output_id}: engine ids {found}"
+    return found[0]
+
+
+def drafter_request(drafter, request_id: str) -> dict:
+    """The drafter's own counters of one request (`drafter.stats.request(id)`): drafted, accepted, and accepted
+    draft tokens by source ("request", "memory", "references", "prediction")."""
+    got = drafter.stats.request(request_id)
+    assert got is not None, f"the drafter kept no counters for request {request_id}"
+    return {"drafted": int(got.drafted), "accepted": int(got.accepted),
+            "sources": {name: int(n) for name, n in dict(got.sources).items()}}
+
+
+class KeepLogs:
+    """Records of a logger (default: the drafter's) while the block runs: level and message."""
+
+    def __init__(self, name: str = "lookup_decode.vllm"):
+        import logging
+        self.records: list[dict] = []
+        self.logger = logging.getLogger(name)
+        keep = self.records
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                keep.append({"level": record.levelname, "message": record.getMessage()})
+
+        self.handler = Keep(logging.DEBUG)
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
