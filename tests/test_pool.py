@@ -35,9 +35,11 @@ def _streams(rng, n, vocab):
     return out
 
 
-def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
+def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False, corpora_of=None):
     """Drive the pool and the reference side by side; every step each row emits the kept prefix of its full
-    draft plus one true token (as a verifier with that truth would); rows join and leave over time."""
+    draft plus one true token (as a verifier with that truth would); rows join and leave over time. Returns
+    (rows compared, tokens kept, the sources of drafts a token was kept from).
+    corpora_of(i): request i's own (name, corpus) list, one per role (per-row corpora); default: `corpora`."""
     rng = np.random.default_rng(seed)
     reqs = _streams(rng, 12, vocab)
     if growth:                                   # long prompts: slots outgrow their first room
@@ -49,6 +51,7 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
     ref, slot, done, pos = {}, {}, {}, {}
     active, waiting = [], list(range(len(reqs)))
     compared = kept_total = 0
+    sources = set()                              # sources of drafts that had a token kept
     policy = DraftPolicy(k)                      # one policy for every request, as one pool serves them all
     while waiting or active:
         if waiting and (len(active) < 5 or rng.random() < 0.3):
@@ -58,8 +61,9 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             matrix[i, len(p)] = o[0]                # the prefill's token
             pos[i], done[i] = len(p) + 1, 1
             index = SuffixIndex(min_match=1, max_match=16, eos_token_ids=EOS)
-            drafter = (SourcesProposer(index, corpora, min_match=1, max_match=16, eos_token_ids=EOS)
-                       if corpora else index)
+            own = corpora_of(i) if corpora_of else corpora
+            drafter = (SourcesProposer(index, own, min_match=1, max_match=16, eos_token_ids=EOS)
+                       if own else index)
             drafter.extend(matrix[i, : pos[i]])
             ref[i] = (drafter, None)
             slot[i] = (pool.add(0 if growth else pos[i]), 0)
@@ -72,8 +76,15 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
         limits = np.maximum(limits, 0)
         learn = starts > 0
         with contextlib.ExitStack() as stack:
-            got = pool.step(matrix, rows, slots, starts, ends, limits, learn,
-                            [stack.enter_context(c.reading()) for _, c in corpora])
+            if corpora_of is None:
+                got = pool.step(matrix, rows, slots, starts, ends, limits, learn,
+                                [stack.enter_context(c.reading()) for _, c in corpora])
+            else:                               # every distinct corpus once; each row names its own by role
+                distinct = list({id(c): c for i in active for _, c in corpora_of(i)}.values())
+                where = {id(c): j for j, c in enumerate(distinct)}
+                row_corpora = np.array([[where[id(c)] for _, c in corpora_of(i)] for i in active], np.int64)
+                got = pool.step(matrix, rows, slots, starts, ends, limits, learn,
+                                [stack.enter_context(c.reading()) for c in distinct], row_corpora=row_corpora)
         steps = []
         for j, i in enumerate(active):
             drafter, last = ref[i]
@@ -89,6 +100,8 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             truth = reqs[i][1][done[i]:]
             kept = kept_prefix(full.tokens, truth)
             kept_total += kept
+            if kept:
+                sources.add(int(got.source[j]))
             emitted = truth[: kept + 1]
             matrix[i, pos[i]: pos[i] + len(emitted)] = emitted
             drafter.extend(emitted)
@@ -106,18 +119,18 @@ def _run(seed: int, k: int, vocab: int, corpora: list, growth: bool = False):
             assert pool.tokens(slot[i][0]).tolist() == matrix[i, : slot[i][1]].tolist()   # what it was given
             pool.remove(slot[i][0])
     assert not growth or pool.swaps > 0, "guard: slots grew through their copies"
-    return compared, kept_total
+    return compared, kept_total, sources
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_pool_equals_index_and_policy(seed, k):
-    compared, kept = _run(seed, k, vocab=8, corpora=[])
+    compared, kept, _ = _run(seed, k, vocab=8, corpora=[])
     assert compared > 50 and kept > 0, "guard: drafts were kept"
 
 
 def test_pool_slots_grow_through_copies():
-    compared, kept = _run(7, 8, vocab=8, corpora=[], growth=True)
+    compared, kept, _ = _run(7, 8, vocab=8, corpora=[], growth=True)
     assert compared > 50 and kept > 0
 
 
@@ -128,8 +141,40 @@ def test_pool_with_corpora_equals_sources_proposer(seed):
     for j in range(4):
         memory.add(rng.integers(3, 8, size=40).astype(np.int32))
         refs.register(f"doc{j}", tokens=rng.integers(3, 8, size=60).astype(np.int32))
-    compared, kept = _run(seed, 8, vocab=8, corpora=[("memory", memory), ("references", refs)])
+    compared, kept, _ = _run(seed, 8, vocab=8, corpora=[("memory", memory), ("references", refs)])
     assert compared > 50 and kept > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pool_with_corpora_per_row_equals_sources_proposer(seed):
+    """Rows read different corpora (two memories, as two scopes; shared references; a prediction of their own):
+    each row's drafts, sources and probabilities are those of a SourcesProposer over its own corpora alone."""
+    rng = np.random.default_rng(200 + seed)
+    scopes = [Memory(10_000), Memory(10_000)]
+    refs = References()
+    for j in range(3):
+        for memory in scopes:
+            memory.add(rng.integers(3, 8, size=40).astype(np.int32))
+        refs.register(f"doc{j}", tokens=rng.integers(3, 8, size=60).astype(np.int32))
+    predictions = {}
+
+    def corpora_of(i):
+        if i not in predictions:
+            predictions[i] = References()
+            predictions[i].register("prediction", tokens=rng.integers(3, 8, size=50).astype(np.int32))
+        return [("memory", scopes[i % 2]), ("references", refs), ("prediction", predictions[i])]
+
+    compared, kept, sources = _run(seed, 8, vocab=8, corpora=[], corpora_of=corpora_of)
+    assert compared > 50 and kept > 0
+    assert {1, 3} <= sources, "guard: drafts from a memory and from the row's own prediction were kept"
+
+
+def test_row_corpora_must_name_given_corpora():
+    pool = IndexPool(4)
+    s = pool.add(8)
+    matrix = np.arange(8, dtype=np.int32)[None, :]
+    with pytest.raises(ValueError, match="row_corpora"):
+        pool.step(matrix, [0], [s], [0], [8], [4], [False], [], row_corpora=np.array([[0, -1, -1]]))
 
 
 @settings(max_examples=200, deadline=None)

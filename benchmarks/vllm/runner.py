@@ -24,13 +24,18 @@ What it reproduces of vLLM (read from vllm/v1/worker/gpu_input_batch.py and gpu_
   the known one replaces it in the request's continuation;
 * a clock: each step takes step_seconds(tokens verified) of simulated time (`now`), for drafters that time steps;
 * a trace: per step (prefill tokens computed, decode tokens verified, decode rows), so a replay can price the
-  decode steps on its own step cost (benchmarks/vllm/modelled.py).
+  decode steps on its own step cost (benchmarks/vllm/modelled.py);
+* with `ids=True`, what the runner shows a drafter that found it (vLLM 0.32/0.33): `input_batch.req_ids` (the
+  request id of each row) and `requests` (id -> state with `num_prompt_tokens` and `sampling_params`: temperature,
+  extra_args), a request leaving `requests` when it finishes (preempted and unscheduled ones stay); the runner
+  calls the drafter's `load_model` as vLLM's does.
 Used by tests/test_vllm.py and the vLLM benchmarks; no vLLM needed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -48,6 +53,8 @@ class SimRequest:
     emitted: list = field(default_factory=list)     # tokens emitted per decode step
     draft: list = field(default_factory=list)       # the pending draft, verified at the next step
     to_prefill: int = -1                            # tokens the next prefill computes (-1: the prompt)
+    id: str | None = None                           # vLLM's request id (SimRunner(ids=True) names it if None)
+    extra_args: dict | None = None                  # its SamplingParams.extra_args
 
     @property
     def done(self) -> bool:
@@ -60,7 +67,7 @@ class SimRunner:
     def __init__(self, drafter, max_num_reqs: int = 16, max_model_len: int = 4096, *, seed: int = 0,
                  p_unscheduled: float = 0.0, p_swap: float = 0.0, arrivals_per_step: int | None = None,
                  on_step=None, k: int = 8, p_preempt: float = 0.0, preempt_steps: int = 20, p_off: float = 0.0,
-                 vocab: int = 64, step_seconds=None):
+                 vocab: int = 64, step_seconds=None, ids: bool = False):
         self.drafter = drafter
         self.max_model_len = max_model_len
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)
@@ -77,12 +84,27 @@ class SimRunner:
         self.now = 0.0
         self.skipped = self.preempted = self.proposes = 0
         self.trace: list[tuple[int, int, int]] = []    # per step: (prefill tokens, decode tokens verified, decode rows)
+        # What vLLM's runner holds and the drafter reads once load_model found it (None: not shown).
+        self.requests: dict | None = {} if ids else None
+        self.input_batch = SimpleNamespace(req_ids=[]) if ids else None
+        self.joined = 0
+        if ids:
+            self.load_model()
+
+    def load_model(self) -> None:
+        """As vLLM's runner: hand the drafter the model (none here) from a method of the runner."""
+        self.drafter.load_model(None)
 
     def _add(self, req: SimRequest) -> bool:
         free = [i for i, r in enumerate(self.rows) if r is None]
         if not free:
             return False
         i = free[0]
+        if self.requests is not None and req.id not in self.requests:
+            req.id = req.id if req.id is not None else f"req-{self.joined}"
+            self.joined += 1
+            self.requests[req.id] = SimpleNamespace(num_prompt_tokens=len(req.prompt), sampling_params=SimpleNamespace(
+                temperature=1.0 if self.p_off else 0.0, extra_args=req.extra_args))
         row = np.concatenate([req.prompt, np.asarray(req.out, np.int32)])
         self.token_ids_cpu[i, : len(row)] = row
         self.num_tokens_no_spec[i] = len(row)
@@ -146,6 +168,8 @@ class SimRunner:
             for i, r in enumerate(self.rows):
                 if r is not None and self._finished(i, r):
                     self.rows[i] = None
+                    if self.requests is not None:
+                        del self.requests[r.id]
             back, away = away, []
             for i, r in enumerate(self.rows):
                 if r is None or r.prefilled < max(r.to_prefill, len(r.prompt)):
@@ -217,6 +241,8 @@ class SimRunner:
                     r.draft = [0] * max(min(self.k, room), 0) if sampled[i] else []
             elif B:
                 self.proposes += 1
+                if self.input_batch is not None:
+                    self.input_batch.req_ids = [r.id if r is not None else None for r in self.rows[:B]]
                 drafts = self.drafter.propose(sampled, self.num_tokens_no_spec, self.token_ids_cpu, slot_mappings=None)
                 assert len(drafts) == B
                 for i in used:

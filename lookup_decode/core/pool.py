@@ -42,6 +42,7 @@ from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_m
 from lookup_decode.core.index import MAX_TOKENS, SuffixIndex
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
+ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
 MIGRATE_WORK = 512                 # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
 MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
@@ -130,6 +131,9 @@ class IndexPool:
         _warm_up(self.window)
         self.buffers[0] = self.buffers[0]                  # numba compiles typed-list access on first use: now
         self._out = _buffers(64, self.k)
+        empty_i = np.zeros(1, np.int32)
+        self._no_corpus = (empty_i, np.int64(0), empty_i, empty_i, empty_i, empty_i, np.full(1, -1, np.int64), empty_i,
+                           empty_i, empty_i)
 
     # -- slot arrays ----------------------------------------------------------------------------------
     def _arrays(self, n: int) -> None:
@@ -145,8 +149,8 @@ class IndexPool:
                 "prev_src": ((), np.int64, 0),                            # 0: the request; 1 + c: corpus c
                 "prev_end": ((), np.int64, -1),                           # corpus position the draft copied after
                 "prev_ver": ((), np.int64, -1),                           # that corpus's version then
-                "cursor": ((2, 4), np.int64, 0),                          # per corpus: a `SuffixIndex` cursor
-                "cursor_ver": ((2,), np.int64, -1)}
+                "cursor": ((ROLES, 4), np.int64, 0),                      # per corpus role: a `SuffixIndex` cursor
+                "cursor_ver": ((ROLES,), np.int64, -1)}
         for name, (tail, dtype, fill) in spec.items():
             new = np.full((n,) + tail, fill, dtype)
             old = getattr(self, name, None)
@@ -296,16 +300,19 @@ class IndexPool:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-             limits: np.ndarray, learn: np.ndarray, corpora=(), temperatures=None) -> "Step":
+             limits: np.ndarray, learn: np.ndarray, corpora=(), temperatures=None, row_corpora=None) -> "Step":
         """Learn, extend and draft for every row at once (the returned arrays are reused by the next call).
 
         matrix: int32 [R, L], row rows[i] holding its request's tokens; slot slots[i] has indexed
         matrix[rows[i], :starts[i]] and takes matrix[rows[i], starts[i]:ends[i]] now (its new tokens).
-        limits: int [r], the longest draft each row may get (<= k). learn: bool [r], whether the new tokens
+        limits: int [r], the longest draft each row may get (<= k; 0: none). learn: bool [r], whether the new tokens
         are what the engine emitted after the slot's last draft (False after a step the caller did not see:
-        nothing is learned from them). corpora: up to two (SuffixIndex, version) of shared read-only corpora
-        (`Corpus.reading()`), in tie-break order. temperatures: float [r], each row's sampling temperature
-        (None: all greedy), priced in cells of its own.
+        nothing is learned from them). corpora: (SuffixIndex, version) of shared read-only corpora
+        (`Corpus.reading()`), any number. row_corpora: int [r, ROLES], the corpora (indices into `corpora`, -1: none)
+        row i reads, by role in tie-break order; a draft from role c has source 1 + c. A slot's role must name the
+        same corpus at every call (its cursor follows that corpus; a new version is re-walked). None: every row
+        reads corpora[c] as role c. temperatures: float [r], each row's sampling temperature (None: all greedy),
+        priced in cells of its own.
         """
         rows, slots = np.asarray(rows, np.int64), np.asarray(slots, np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
@@ -319,24 +326,33 @@ class IndexPool:
         out = Step(b.tokens[:r], b.lengths[:r], b.match[:r], b.source[:r], b.p_kept[:r], b.kept[:r], b.credit[:r])
         out.kept[:] = -1
         out.credit[:] = -1
-        empty_i, empty_l = np.zeros(1, np.int32), np.full(1, -1, np.int64)
-        c_arrays, versions = [], np.full(2, -1, np.int64)
-        for c, (index, version) in enumerate(list(corpora)[:2]):
-            c_arrays.append((index._toks, len(index), index._slen, index._slink, index._sfirst, index._eto,
-                             index._hkey, index._hval, index._shead, index._enext))
-            versions[c] = version
-        while len(c_arrays) < 2:
-            c_arrays.append((empty_i, 0, empty_i, empty_i, empty_i, empty_i, empty_l, empty_i, empty_i, empty_i))
+        corpora = list(corpora)
+        if row_corpora is None:
+            if len(corpora) > ROLES:
+                raise ValueError(f"at most {ROLES} corpora without row_corpora, got {len(corpora)}")
+            row_corpora = np.full((r, ROLES), -1, np.int64)
+            row_corpora[:, :len(corpora)] = np.arange(len(corpora))
+        row_corpora = np.ascontiguousarray(row_corpora, np.int64)
+        if row_corpora.shape != (r, ROLES) or row_corpora.max(initial=-1) >= len(corpora):
+            raise ValueError(f"row_corpora must be int [{r}, {ROLES}] of indices into the {len(corpora)} corpora")
+        arrays = List([_corpus_arrays(index) for index, _ in corpora] or [self._no_corpus])
+        versions = np.array([version for _, version in corpora] or [-1], np.int64)
         temps = np.zeros(r) if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
         _step(matrix, rows, slots, starts, ends, np.minimum(np.asarray(limits, np.int64), self.k),
               np.asarray(learn, np.bool_),
               (self.buffers, self.meta, self.cap),
               (self.counts, self.request, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
                self.prev_ver, self.prev_branched, self.prev_temp), (self.cursor, self.cursor_ver),
-              c_arrays[0], c_arrays[1], versions, len(corpora), temps,
+              arrays, versions, row_corpora, temps,
               self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match, self.eos, self.stops,
               self.window, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
         return out
+
+
+def _corpus_arrays(index: SuffixIndex) -> tuple:
+    """The arrays of a corpus index the kernel reads (one tuple type for every corpus)."""
+    return (index._toks, np.int64(len(index)), index._slen, index._slink, index._sfirst, index._eto, index._hkey,
+            index._hval, index._shead, index._enext)
 
 
 @dataclass
@@ -345,7 +361,7 @@ class Step:
     tokens: np.ndarray          # int32 [r, k]: row i's full draft in tokens[i, :lengths[i]]
     lengths: np.ndarray         # int64 [r]
     match: np.ndarray           # int64 [r]: match length behind it (capped at max_match)
-    source: np.ndarray          # int64 [r]: 0 the request's own index, 1 + c corpus c
+    source: np.ndarray          # int64 [r]: 0 the request's own index, 1 + c the corpus of role c
     p_kept: np.ndarray          # float64 [r, k]: probability that draft token j is kept (all before it kept), 0 past
                                 # the row's length
     kept: np.ndarray            # int64 [r]: tokens of the slot's previous full draft the engine kept (-1: not learned)
@@ -383,8 +399,8 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 
 @njit(cache=True, nogil=True)
-def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursors, corpus0, corpus1, versions,
-          n_corpora, temps, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window,
+def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursors, corpora, versions, row_corpora,
+          temps, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window,
           out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
     counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp = policy
     cursor, cursor_ver = cursors
@@ -414,14 +430,17 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
         if new.shape[0] > 0:
             K.extend(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], new, window)
         meta = v[10]
-        for c in range(n_corpora):
-            corpus = corpus0 if c == 0 else corpus1
+        for c in range(row_corpora.shape[1]):
+            ci = row_corpora[i, c]
+            if ci < 0:
+                continue
+            corpus = corpora[ci]
             cur = cursor[s, c]
-            if cursor_ver[s, c] != versions[c]:
+            if cursor_ver[s, c] != versions[ci]:
                 cur[0], cur[1], cur[2], cur[3] = 0, 0, -1, 0
                 tail = min(max_match, CURSOR_TAIL)
                 walk = matrix[rows[i], max(ends[i] - tail, 0): ends[i]]
-                cursor_ver[s, c] = versions[c]
+                cursor_ver[s, c] = versions[ci]
             else:
                 walk = new
             if walk.shape[0] > 0 and corpus[1] > 0:
@@ -438,8 +457,11 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
                 out_tokens[i, j] = v[0][start + j]
             br = K.match_branched(v[2], v[4], v[7], meta)
         best_d, best_m = d, m
-        for c in range(n_corpora):
-            corpus = corpus0 if c == 0 else corpus1
+        for c in range(row_corpora.shape[1]):
+            ci = row_corpora[i, c]
+            if ci < 0:
+                continue
+            corpus = corpora[ci]
             cur = cursor[s, c]
             cd = _corpus_draft(corpus, cur, alone_min_match, limit, stops, scratch)
             cm = min(cur[3], max_match)
@@ -449,7 +471,7 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
                 best_d, best_m, src = cd, cm, 1 + c
                 for j in range(cd):
                     out_tokens[i, j] = scratch[j]
-                prev_end[s], prev_ver[s] = cur[2], versions[c]
+                prev_end[s], prev_ver[s] = cur[2], versions[ci]
                 br = K.branched(corpus[8], corpus[9], cur[0])
         if best_d == 0:
             best_m = m                              # nothing to draft: the request's match, as SourcesProposer

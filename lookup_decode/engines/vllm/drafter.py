@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,15 +57,27 @@ from lookup_decode.core.pool import IndexPool
 from lookup_decode.core.stats import Calibration
 from lookup_decode.core.step_cost import StepCost
 from lookup_decode.core.tokens import eos_ids
-from lookup_decode.engines.vllm import cpu_fix
+from lookup_decode.engines.vllm import cpu_fix, request_args
+from lookup_decode.engines.vllm.request_args import RequestArgs, parse
 from lookup_decode.engines.vllm.requests import RequestTable, fingerprints  # noqa: F401  (fingerprints: documented)
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path  # noqa: F401
 from lookup_decode.sources.memory import Memory, References, load_memory, load_references
 from lookup_decode.sources.proposer import MEMORY, REFERENCES, REQUEST
 
 log = logging.getLogger("lookup_decode.vllm")
-SOURCES = (REQUEST, MEMORY, REFERENCES)
+PREDICTION = "prediction"
+SOURCES = (REQUEST, MEMORY, REFERENCES, PREDICTION)   # a draft's source: 0 the request, 1 + the pool's corpus role
 IDLE_SECONDS = 1.0      # no propose call for this long: the engine is idle, its known requests' outputs are stored
+KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read (`_find_runner`)
+REQUESTS_KEPT = 4096    # per-request counters kept for this many requests (the most recent)
+
+
+@dataclass
+class RequestStats:
+    """One request's counters, by vLLM's request id (`DrafterStats.request`)."""
+    drafted: int = 0                   # draft tokens sent
+    accepted: int = 0                  # of those, kept by the engine
+    sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source
 
 
 @dataclass
@@ -79,6 +91,9 @@ class DrafterStats:
     extended: int = 0                  # rows recognised and extended by their new tokens only
     continued: int = 0                 # rows whose request had missed steps (vLLM skipped the drafter)
     resumed: int = 0                   # rebuilt requests whose prompt length came back (preempted and recomputed)
+    rebuilt: int = 0                   # requests indexed afresh though known before (by id: retired, then back)
+    identity: str = "content"          # how rows are followed: "runner" (vLLM's request ids) or "content"
+    ignored: int = 0                   # requests whose lookup_decode settings were bad (logged; those ignored)
     retired: int = 0                   # requests dropped after idle_steps absent
     evicted: int = 0                   # requests dropped for the byte bound
     refused: int = 0                   # rows left without an index for the byte bound
@@ -90,6 +105,17 @@ class DrafterStats:
     first_propose_s: float = 0.0       # the first call (it loads or compiles the kernels: seconds)
     sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source
     reliability: Calibration = field(default_factory=Calibration)   # predicted vs kept of the tokens sent
+    requests: OrderedDict = field(default_factory=OrderedDict)      # request id -> RequestStats (by id only)
+
+    def request(self, request_id: str) -> RequestStats | None:
+        """The counters of one request (None: not followed by id, or among the oldest forgotten)."""
+        return self.requests.get(request_id)
+
+    def _new_request(self, request_id: str) -> RequestStats:
+        out = self.requests[request_id] = RequestStats()
+        if len(self.requests) > REQUESTS_KEPT:
+            self.requests.popitem(last=False)
+        return out
 
     def calibration(self) -> list:
         """The acceptance model's reliability table: rows (bin_low, bin_high, tokens, predicted, kept)."""
@@ -201,13 +227,17 @@ class LookupDrafter:
         # Tensor-parallel ranks hold the same memory: one writes it. Data-parallel replicas write their own files.
         self.saves = saves
         self.memory_save = replica_path(settings.memory_save, *replica)
+        self.tokenizer, self._tokenizer_name = tokenizer, tokenizer_name
         self.memory = memory if memory is not None else self._load_memory()
-        self.references = references if references is not None else self._load_references(tokenizer, tokenizer_name)
+        self.references = references if references is not None else self._load_references()
         self.corpora = [c for c in (self.memory, self.references) if c is not None]
-        self._names = [REQUEST] + [MEMORY if c is self.memory else REFERENCES for c in self.corpora]
         for corpus in self.corpora:                 # a foreign memory file fails here, not while serving
             if vocab_size is not None:
                 corpus.check_vocab(vocab_size, "the engine's model")
+        # Memory scopes (a request's lookup_decode_scope): each its own memory, the least recently used going
+        # first past max_scopes. The default scope is self.memory.
+        self.scopes: OrderedDict[str, Memory] = OrderedDict()
+        self._runner = None                         # vLLM's model runner, weakly (found by load_model)
         self.cost = StepCost.for_device(device, prior_token_cost=settings.draft_cost)
         self._graphs = None                         # the engine's compilation_config until its graph sizes are read
         self._budget = None                         # the scheduler's token budget per step (None: unknown)
@@ -236,6 +266,8 @@ class LookupDrafter:
         # A step the drafter missed added one token per row (vLLM then schedules zeros as drafts, rarely kept);
         # a few such steps in a row are followed, anything longer is another request.
         self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
+        self._own: dict[int, tuple] = {}            # slot -> (its scope's memory, its prediction) where not default
+        self._req_stats: dict[int, RequestStats] = {}   # slot -> its request's counters (by id only)
         self._call = 0
         self._last = None                           # when the last call started
 
@@ -272,7 +304,17 @@ class LookupDrafter:
                     self._start_keeper()
 
     def load_model(self, *args, **kwargs) -> None:
-        """vLLM calls this with the target model after building the drafter; there is no model to load."""
+        """vLLM calls this with the target model after building the drafter; there is no model to load. Its caller
+        is the model runner (GPUModelRunner.load_model, and CPUModelRunner's), whose request ids and request
+        states the drafter reads from then on (`_find_runner`)."""
+        runner = _find_runner(sys._getframe(1))
+        self._runner = weakref.ref(runner) if runner is not None else None
+        self.stats.identity = "runner" if runner is not None else "content"
+        version = _vllm_version()
+        if runner is None or not version.startswith(KNOWN_VLLM):
+            log.info("lookup_decode: vLLM %s: rows are followed %s", version or "(unknown version)",
+                     "by vLLM's request ids (per-request settings read)" if runner is not None else
+                     "by content (the runner's request ids were not found: no per-request settings)")
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float) -> list[list[int]]:
         self._call += 1
@@ -286,7 +328,11 @@ class LookupDrafter:
         rows = np.flatnonzero(emitted > 0)
         if self.max_model_len is not None:
             rows = rows[counts[rows] < self.max_model_len]
-        claim = self.requests.claim(matrix, rows, counts[rows], emitted[rows], self._call, self._admit)
+        runner = self._runner() if self._runner is not None else None
+        if runner is None:
+            claim = self.requests.claim(matrix, rows, counts[rows], emitted[rows], self._call, self._admit)
+        else:
+            claim = self._claim_ids(runner, rows, counts[rows], emitted[rows])
         if self._graphs is not None:
             self._read_graph_sizes()
         if self._last is not None and claim.continued == 0 and len(rows):
@@ -299,17 +345,22 @@ class LookupDrafter:
                 prefill = max(0, min(prefill, int(self._budget) - verified))
             self.cost.observe(verified, now - self._last, prefill_tokens=prefill)
         placed = self._within_bound(claim, counts[rows])
+        if runner is not None:
+            self._drop_finished(runner)
         if self.memory is not None:
-            self._store_finished(matrix, rows[placed], claim.slots[placed], counts[rows][placed])
+            self._store_finished(matrix, rows[placed], claim.slots[placed], counts[rows][placed], runner is None)
         rows, slots = rows[placed], claim.slots[placed]
         ends = counts[rows]
-        limits = np.full(len(rows), self.k, np.int64)
+        limits = np.minimum(self.requests.limit[slots], self.k)
         if self.max_model_len is not None:
             limits = np.minimum(limits, self.max_model_len - ends - 1)
+        corpora, row_corpora = self._corpora_of(slots)
         with contextlib.ExitStack() as held:        # the corpora stay unchanged while the pool reads them
             step = self.pool.step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0),
-                                  claim.learn[placed], [held.enter_context(c.reading()) for c in self.corpora])
-        self.requests.file(matrix, rows, slots, ends, self._call)
+                                  claim.learn[placed], [held.enter_context(c.reading()) for c in corpora],
+                                  temperatures=self.requests.temperature[slots], row_corpora=row_corpora)
+        if runner is None:
+            self.requests.file(matrix, rows, slots, ends, self._call)
         self._learned(step, slots)
         # Not adaptive: everything the index proposes, up to k (vLLM's n-gram rule).
         lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
@@ -327,7 +378,12 @@ class LookupDrafter:
         s.built += claim.built
         s.continued += claim.continued
         s.resumed += claim.resumed
+        s.rebuilt += claim.rebuilt
         s.extended += len(rows) - claim.built - claim.continued
+        if self._req_stats:
+            for slot, n in zip(slots[lengths > 0].tolist(), lengths[lengths > 0].tolist()):
+                if slot in self._req_stats:
+                    self._req_stats[slot].drafted += n
         s.refused += int((claim.slots < 0).sum())
         self.requests.sent[slots] = lengths
         if len(self._p_sent) < self.pool.slots:
@@ -335,10 +391,122 @@ class LookupDrafter:
         self._p_sent[slots] = step.p_kept
         self._last = now
         if self._call % self._retire_every == 0:     # a bounded delay; the scan over live requests is O(requests)
-            self._retire(self._call - self.settings.idle_steps, "retired")
+            self._retire(self._call - self.settings.idle_steps, "retired", runner.requests if runner else None)
         if self.settings.reload_every and self._call % self.settings.reload_every == 0:
             self.reload_memory()
         return drafts
+
+    # -- requests followed by vLLM's ids, and their settings ------------------------------------------
+    def _claim_ids(self, runner, rows: np.ndarray, counts: np.ndarray, emitted: np.ndarray):
+        """`RequestTable.claim_ids` with the runner's request ids and prompt lengths; a new request's settings
+        (`request_args`) and sampling temperature are read from its state in the runner."""
+        req_ids, states, known = runner.input_batch.req_ids, runner.requests, self.requests.ids
+        ids = [req_ids[i] for i in rows.tolist()]
+        prompts = np.array([-1 if rid in known else getattr(states.get(rid), "num_prompt_tokens", -1) for rid in ids],
+                           np.int64)
+        claim = self.requests.claim_ids(rows, counts, emitted, ids, prompts, self._call, self._admit)
+        for j in claim.fresh:
+            self._start_request(int(claim.slots[j]), ids[j], getattr(states.get(ids[j]), "sampling_params", None))
+        return claim
+
+    def _start_request(self, s: int, request_id: str, params) -> None:
+        """Slot s now holds request `request_id`: its temperature, its own k, its scope's memory, its prediction."""
+        self.requests.temperature[s] = float(getattr(params, "temperature", 0.0) or 0.0)
+        self._req_stats[s] = self.stats.request(request_id) or self.stats._new_request(request_id)
+        extra = getattr(params, "extra_args", None)
+        try:
+            args = parse(extra)
+        except ValueError as e:
+            self.stats.ignored += 1
+            log.warning("lookup_decode: request %s: %s; its lookup_decode settings are ignored (install "
+                        "lookup_decode in the server's environment and vLLM refuses such a request instead)",
+                        request_id, e)
+            # A scope that cannot be read must not fall back to the shared memory: no memory for this request.
+            private = isinstance(extra, dict) and request_args.SCOPE in extra
+            if private:
+                self._own[s] = (None, None)
+            return
+        if args.k is not None:
+            self.requests.limit[s] = args.k
+        memory = self._scope_memory(args.scope) if args.scope is not None else self.memory
+        prediction = self._prediction(request_id, args) if args.prediction is not None else None
+        if memory is not self.memory or prediction is not None:
+            self._own[s] = (memory, prediction)
+
+    def _scope_memory(self, scope: str) -> Memory | None:
+        """The memory of a named scope (made on first use); None when the drafter keeps no memory, or when
+        max_scopes scopes are all in use by live requests (that request then drafts from no memory at all)."""
+        if self.memory is None:
+            return None
+        memory = self.scopes.get(scope)
+        if memory is None:
+            if len(self.scopes) >= self.settings.max_scopes:
+                in_use = {id(own[0]) for own in self._own.values()}
+                idle = [name for name, m in self.scopes.items() if id(m) not in in_use]
+                if not idle:
+                    log.warning("lookup_decode: %d memory scopes are in use (max_scopes); scope %r drafts from "
+                                "no memory", len(self.scopes), scope)
+                    return None
+                del self.scopes[idle[0]]            # the least recently used one
+            memory = self.scopes[scope] = Memory(self.settings.scope_tokens, vocab_size=self.vocab_size)
+        self.scopes.move_to_end(scope)
+        return memory
+
+    def _prediction(self, request_id: str, args: RequestArgs) -> References | None:
+        """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
+        try:
+            prediction = References(vocab_size=self.vocab_size)
+            if isinstance(args.prediction, str):
+                prediction.register(PREDICTION, args.prediction, tokenizer=self._tokenizer())
+            else:
+                prediction.register(PREDICTION, tokens=np.asarray(args.prediction, np.int64))
+            return prediction
+        except (ValueError, TypeError, OSError) as e:
+            self.stats.ignored += 1
+            log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
+                        request_args.PREDICTION, e)
+            return None
+
+    def _tokenizer(self):
+        """The engine's tokenizer (loaded once, on the first text that needs it)."""
+        if self.tokenizer is None:
+            if self._tokenizer_name is None:
+                raise ValueError("needs the engine's tokenizer, which this drafter was not given")
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
+        return self.tokenizer
+
+    def _roles(self, s: int) -> tuple:
+        """The corpora slot s drafts from, by the pool's roles: (memory, references, prediction), None where none."""
+        memory, prediction = self._own.get(s, (self.memory, None))
+        return memory, self.references, prediction
+
+    def _corpora_of(self, slots: np.ndarray) -> tuple[list, np.ndarray]:
+        """The distinct corpora of these slots and, per slot, the index of each of its roles' corpus (-1: none)."""
+        corpora, where = [], {}
+        rows = np.full((len(slots), 3), -1, np.int64)
+        default = self._roles(-1)
+        for c, corpus in enumerate(default):
+            if corpus is not None:
+                where[id(corpus)] = len(corpora)
+                corpora.append(corpus)
+                rows[:, c] = where[id(corpus)]
+        for j in [j for j, s in enumerate(slots.tolist()) if s in self._own] if self._own else ():
+            for c, corpus in enumerate(self._roles(int(slots[j]))):
+                if corpus is None:
+                    rows[j, c] = -1
+                    continue
+                if id(corpus) not in where:
+                    where[id(corpus)] = len(corpora)
+                    corpora.append(corpus)
+                rows[j, c] = where[id(corpus)]
+        return corpora, rows
+
+    def _drop_finished(self, runner) -> None:
+        """Requests the runner no longer knows have finished (preempted ones it keeps): store and drop them now."""
+        states, id_of = runner.requests, self.requests.id_of
+        for s in [s for s, rid in id_of.items() if rid not in states]:
+            self._drop(s, "retired")
 
     def _read_graph_sizes(self) -> None:
         """The engine's CUDA graph sizes, once settled (a step runs padded to the next one): to the step cost."""
@@ -359,12 +527,16 @@ class LookupDrafter:
         self.stats.accepted += int(kept.sum())
         if not kept.any():
             return
-        for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(self._names))):
+        for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(SOURCES))):
             if n:
-                self.stats.sources[self._names[src]] += int(n)
-        for i in np.flatnonzero((step.credit[:, 0] > 0) & (kept > 0)).tolist():
-            src, version, position = step.credit[i].tolist()
-            self.corpora[src - 1].credit(version, position, int(kept[i]))
+                self.stats.sources[SOURCES[src]] += int(n)
+        for i in np.flatnonzero(kept > 0).tolist():
+            s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
+            if s in self._req_stats:
+                self._req_stats[s].accepted += int(kept[i])
+                self._req_stats[s].sources[SOURCES[src]] += int(kept[i])
+            if src > 0:
+                self._roles(s)[src - 1].credit(version, position, int(kept[i]))
 
     # -- requests leaving -----------------------------------------------------------------------------
     def _admit(self, n_tokens: int) -> bool:
@@ -401,23 +573,31 @@ class LookupDrafter:
             placed[j], growth[j] = False, 0
         return placed
 
-    def _retire(self, before: int, counter: str) -> None:
+    def _retire(self, before: int, counter: str, waiting=None) -> None:
+        """Drop the requests last seen at call `before` or earlier, but those whose id is in `waiting` (the runner's
+        requests: preempted or unscheduled ones come back)."""
         for s in self.requests.idle(before):
-            self._drop(s, counter)
+            if waiting is None or self.requests.id_of.get(s) not in waiting:
+                self._drop(s, counter)
 
     def _drop(self, s: int, counter: str) -> None:
         self._store_slot(s)                         # normally stored already, when the request finished
         self.requests.drop(s)
+        self._own.pop(s, None)                      # its prediction is freed with it
+        self._req_stats.pop(s, None)
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
 
     # -- the memory of outputs ------------------------------------------------------------------------
-    def _store_finished(self, matrix, rows, slots, counts) -> None:
+    def _store_finished(self, matrix, rows, slots, counts, absent: bool) -> None:
         """Store the outputs of the requests that finished since the last call, before this call drafts: rows whose
-        last token is EOS (their text is the row), and known requests whose row is absent from this call."""
+        last token is EOS (their text is the row), and (absent: rows followed by content, where a finished request
+        and one away from the batch look alike) known requests whose row is absent from this call."""
         if len(self.eos) and len(rows):
             ended = np.isin(matrix[rows, counts - 1], self.eos)
             for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
                 self._store(s, matrix[row, :n])
+        if not absent:
+            return
         r = self.requests
         live = np.fromiter(r.live, np.int64, count=len(r.live))
         gone = live[r.last_seen[live] < self._call]
@@ -426,20 +606,24 @@ class LookupDrafter:
             self._store_slot(s)
 
     def _store_slot(self, s: int) -> None:
-        if self.memory is not None and int(self.pool.length([s])[0]) > self.requests.stored[s]:
+        if self._roles(s)[0] is not None and int(self.pool.length([s])[0]) > self.requests.stored[s]:
             self._store(s, self.pool.tokens(s))
 
     def _store(self, s: int, tokens: np.ndarray) -> None:
-        """Store request s's output (tokens: its whole text, prompt first), replacing what it stored before."""
+        """Store request s's output (tokens: its whole text, prompt first) into its scope's memory, replacing what it
+        stored before."""
         r = self.requests
         prompt = int(r.prompt_len[s])
         r.stored[s] = len(tokens)
-        if prompt < 0 or len(tokens) <= prompt:
+        memory = self._roles(s)[0]
+        if memory is None or prompt < 0 or len(tokens) <= prompt:
             return                                  # an unknown prompt length could store prompt as output
-        key = self.memory.remember(tokens[:prompt], tokens[prompt:], replaces=r.keys.get(s))
+        key = memory.remember(tokens[:prompt], tokens[prompt:], replaces=r.keys.get(s))
         if key is not None:
             r.keys[s] = key
         self.stats.stored += 1
+        if memory is not self.memory:
+            return                                  # named scopes live in this process only (not saved)
         self._unsaved += 1
         if self._persists and self._unsaved >= self.settings.save_every:
             self._wake.set()                        # written by the keeper thread, off the engine's step
@@ -459,6 +643,8 @@ class LookupDrafter:
         passed since the last write (or save_every are waiting). The file is written from a snapshot, outside
         the lock: propose never waits for a disk."""
         self.memory.evict_aside()                   # takes the memory's lock only to choose and to swap
+        for memory in list(self.scopes.values()):
+            memory.evict_aside()
         if not self._persists:
             return
         with self._lock:
@@ -486,13 +672,13 @@ class LookupDrafter:
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{ENV_PREFIX}MEMORY: {e}") from None
 
-    def _load_references(self, tokenizer, tokenizer_name) -> References | None:
+    def _load_references(self) -> References | None:
         path = self.settings.references
         if not path:
             return None
-        if tokenizer is None and tokenizer_name is not None and Path(path).suffix != ".npz":
-            from transformers import AutoTokenizer  # text files are tokenized with the engine's tokenizer
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+        # Text files are tokenized with the engine's tokenizer.
+        tokenizer = self._tokenizer() if Path(path).suffix != ".npz" and self._tokenizer_name is not None \
+            else self.tokenizer
         try:
             return load_references(path, tokenizer=tokenizer, vocab_size=self.vocab_size)
         except (FileNotFoundError, ValueError) as e:
@@ -547,6 +733,24 @@ class LookupDrafter:
     def index_bytes(self) -> int:
         """Bytes held by the per-request indexes now (bounded by max_index_bytes)."""
         return self.pool.bytes
+
+
+def _find_runner(frame):
+    """The model runner that called load_model: the `self` of the calling frame (or one of the few above it) that
+    holds an `input_batch` and a `requests` table; None if there is none (an unknown vLLM, a test)."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        runner = frame.f_locals.get("self")
+        if hasattr(runner, "input_batch") and isinstance(getattr(runner, "requests", None), dict):
+            return runner
+        frame = frame.f_back
+    return None
+
+
+def _vllm_version() -> str:
+    module = sys.modules.get("vllm")
+    return str(getattr(module, "__version__", "")) if module is not None else ""
 
 
 def _keeper(ref) -> None:

@@ -1,6 +1,12 @@
-"""Following vLLM's requests across its persistent batch by content: which pool slot holds each row's request.
+"""Following vLLM's requests across its persistent batch: which pool slot holds each row's request.
 
-vLLM hands the drafter a token matrix, not request ids, and rows move (a finished request's row is filled
+By id (`RequestTable.claim_ids`), where the drafter can read the model runner's request ids (vLLM 0.32 and 0.33:
+`runner.input_batch.req_ids`, `runner.requests`): a row's request is its id's slot; a slot that indexed fewer
+tokens than the row held before this step missed steps (a whole-batch skip, a preemption) and takes the missing
+tokens without learning from them; an id never seen gets a fresh slot, its prompt length the runner's.
+
+By content (`RequestTable.claim`), the fallback where it cannot: vLLM hands the drafter a token matrix, not request
+ids, and rows move (a finished request's row is filled
 with the last one; preempted and unscheduled requests leave and come back elsewhere). A live request is
 recognised by a fingerprint of its row (`fingerprints`: O(1) tokens per row) before this step's tokens, which
 must equal the fingerprint its slot was filed under after the previous call. What the fast path cannot place:
@@ -22,7 +28,8 @@ verifies every draft, so the output never depends on the drafter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
@@ -34,6 +41,7 @@ from lookup_decode.core.pool import IndexPool
 _HEAD, _TAIL, _SPREAD = 8, 16, 8
 _MULT = np.random.default_rng(20250514).integers(1, 2**63, size=_HEAD + _TAIL + _SPREAD + 1, dtype=np.uint64) | 1
 DROPPED_KEPT = 4096                # dropped requests remembered for their prompt lengths
+NO_LIMIT = 2**31                   # a request that set no draft length of its own
 
 
 @njit(cache=True, nogil=True)
@@ -75,6 +83,8 @@ class Claim:
     built: int = 0             # rows given a fresh slot
     continued: int = 0         # rows whose slot had missed steps (prefix match)
     resumed: int = 0           # fresh slots whose prompt length came from a dropped request
+    rebuilt: int = 0           # fresh slots for a request id whose slot was dropped before (by id only)
+    fresh: list[int] = field(default_factory=list)     # positions j of the rows given a fresh slot
 
 
 class RequestTable:
@@ -93,6 +103,8 @@ class RequestTable:
         self.prompt_len = np.full(n, -1, np.int64)
         self.sent = np.zeros(n, np.int64)       # draft tokens sent to the slot's row at its last call
         self.stored = np.full(n, -1, np.int64)  # the slot's length when its output was last stored (-1: never)
+        self.limit = np.full(n, NO_LIMIT, np.int64)     # its request's own most draft tokens per step
+        self.temperature = np.zeros(n)                  # its request's sampling temperature (0: greedy or unknown)
         self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
                                                 # replaces it: `Memory.store`)
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
@@ -100,6 +112,10 @@ class RequestTable:
         self.dropped_fp = np.zeros(DROPPED_KEPT, np.uint64)
         self.dropped_key: dict[int, str] = {}
         self.dropped_n = 0
+        # By id: vLLM's request id of each slot, and the ids of dropped requests with their output's memory key.
+        self.ids: dict[str, int] = {}
+        self.id_of: dict[int, str] = {}
+        self.dropped_ids: OrderedDict[str, str | None] = OrderedDict()
 
     def _room(self, s: int) -> None:
         if s >= len(self.fp):
@@ -109,6 +125,8 @@ class RequestTable:
             self.prompt_len = np.concatenate([self.prompt_len, np.full(n - len(self.prompt_len), -1, np.int64)])
             self.sent = np.concatenate([self.sent, np.zeros(n - len(self.sent), np.int64)])
             self.stored = np.concatenate([self.stored, np.full(n - len(self.stored), -1, np.int64)])
+            self.limit = np.concatenate([self.limit, np.full(n - len(self.limit), NO_LIMIT, np.int64)])
+            self.temperature = np.concatenate([self.temperature, np.zeros(n - len(self.temperature))])
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -178,22 +196,61 @@ class RequestTable:
             n = int(counts[j])
             if not admit(n):
                 continue
-            s = self.pool.add(n)
-            self._room(s)
-            self.live.add(s)
             prompt = n - 1 if emitted[j] == 1 and claim.continued == 0 else -1
-            self.stored[s] = -1
-            self.keys.pop(s, None)
             resumed, ring = self._dropped_prompt(matrix, int(rows[j]), n - int(emitted[j]))
             if resumed >= 0:
                 prompt, claim.resumed = resumed, claim.resumed + 1
-                if ring in self.dropped_key:        # what it stored before: its next store replaces that entry
-                    self.keys[s] = self.dropped_key[ring]
-            self.prompt_len[s] = prompt
-            self.last_seen[s] = call
+            s = self._new_slot(n, prompt, call)
+            if resumed >= 0 and ring in self.dropped_key:   # what it stored before: its next store replaces it
+                self.keys[s] = self.dropped_key[ring]
             slots[j], starts[j] = s, 0
+            claim.fresh.append(j)
             claim.built += 1
         return claim
+
+    def claim_ids(self, rows: np.ndarray, counts: np.ndarray, emitted: np.ndarray, ids: list[str],
+                  prompt_lens: np.ndarray, call: int, admit) -> Claim:
+        """The slot of each row's request by vLLM's request id (ids[j], prompt_lens[j]: row j's request id and prompt
+        length, -1 unknown); counts, emitted, admit as for `claim`. A slot holds what its row held after the
+        request's last call: fewer tokens than the row before this step means steps were missed (the tokens are
+        taken without learning), more means the row is not that text any more (it is rebuilt)."""
+        r = len(rows)
+        slots = np.fromiter((self.ids.get(i, -1) for i in ids), np.int64, count=r)
+        known = slots >= 0
+        before = counts - emitted
+        have = np.where(known, self.pool.length(np.maximum(slots, 0)), 0)
+        for j in np.flatnonzero(known & (have > before)).tolist():
+            self.drop(int(slots[j]))                # the row is not the slot's text continued: index it afresh
+            slots[j], known[j] = -1, False
+        self.last_seen[slots[known]] = call
+        claim = Claim(slots, np.where(known, have, 0), known & (have == before))
+        claim.continued = int((known & (have < before)).sum())
+        for j in np.flatnonzero(~known).tolist():
+            if not admit(int(counts[j])):
+                continue
+            s = self._new_slot(int(counts[j]), int(prompt_lens[j]), call)
+            rid = ids[j]
+            self.ids[rid], self.id_of[s] = s, rid
+            if rid in self.dropped_ids:             # known before: its next store replaces what it stored then
+                key = self.dropped_ids.pop(rid)
+                if key is not None:
+                    self.keys[s] = key
+                claim.rebuilt += 1
+            slots[j] = s
+            claim.built += 1
+            claim.fresh.append(j)
+        return claim
+
+    def _new_slot(self, n_tokens: int, prompt: int, call: int) -> int:
+        s = self.pool.add(n_tokens)
+        self._room(s)
+        self.live.add(s)
+        self.stored[s] = -1
+        self.keys.pop(s, None)
+        self.prompt_len[s] = prompt
+        self.last_seen[s] = call
+        self.limit[s], self.temperature[s] = NO_LIMIT, 0.0
+        return s
 
     def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:
         cands = [s for s, n in lengths.items() if count - self.max_gap <= n < count]
@@ -234,6 +291,12 @@ class RequestTable:
             else:
                 self.dropped_key.pop(i, None)
             self.dropped_n += 1
+        rid = self.id_of.pop(s, None)
+        if rid is not None:
+            del self.ids[rid]
+            self.dropped_ids[rid] = key
+            if len(self.dropped_ids) > DROPPED_KEPT:
+                self.dropped_ids.popitem(last=False)
         self.live.discard(s)
         self.pool.remove(s)
         return tokens, prompt

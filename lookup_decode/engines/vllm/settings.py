@@ -50,6 +50,10 @@ class Settings:
         also stores the outputs of requests still known when the engine has made no step for IDLE_SECONDS.
     references: a `References.save` file, or a folder of them and of text files (tokenized with the
         engine's tokenizer).
+    max_scopes: memory scopes (a request's `lookup_decode_scope`) kept at once; past it the least recently used
+        scope that no live request uses is forgotten. Named scopes live in this process only (memory_save writes
+        the default scope).
+    scope_tokens: the bound in tokens of each named scope's memory (the default scope's is memory_tokens).
     max_index_bytes: bound on the bytes of all per-request indexes together.
     idle_steps: a request absent from the batch for this many steps is retired.
     save_every: memory_save is written after this many outputs were stored.
@@ -67,6 +71,8 @@ class Settings:
     memory_tokens: int = 250_000
     save_seconds: float = 5.0
     references: str | None = None
+    max_scopes: int = 64
+    scope_tokens: int = 50_000
     max_index_bytes: int = 4 * 2**30
     idle_steps: int = 16
     save_every: int = 64
@@ -93,7 +99,7 @@ class Settings:
         if self.k is not None:
             check_k(self.k)
         check_match(self.min_match, self.max_match)
-        for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every"):
+        for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every", "max_scopes", "scope_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
         if self.reload_every < 0:
