@@ -44,12 +44,15 @@ POEM = "Write a short poem about autumn leaves."        # nothing to copy from t
 POEM_TOKENS = 96
 # The k-batch: the mixed requests (vllm_support.mixed_requests), three of them with their own k.
 K_ARGS = {0: {"lookup_decode_k": 0}, 1: {"lookup_decode_k": 2}, 3: {"lookup_decode_k": 100}}
-# Bad values, one per request (on mixed requests 1-6): each must be ignored (with a log line), never fatal.
+# Bad values, one per request (on mixed requests 1-6). RequestCheck refuses the first five when vLLM admits the
+# request; admitted anyway (RequestCheck not installed), the drafter logs each and ignores it. Token ids beyond the
+# vocabulary pass the admission check (it knows no vocabulary): the drafter alone catches them.
 BAD = [{"lookup_decode_k": "x"}, {"lookup_decode_k": -1}, {"lookup_decode_scope": 5}, {"lookup_decode_scope": ""},
        {"lookup_decode_prediction": [-3]}, {"lookup_decode_prediction": [5, 10**9]}]
-# The plugin entry point that makes vLLM call RequestCheck.validate_params on every request it admits (see
-# request_check_path).
-REQUEST_CHECK = "lookup_decode.vllm:RequestCheck"
+CHECKED = 5
+# The plugin that makes vLLM run RequestCheck.validate_params on every request it admits (pyproject.toml registers
+# it: installing the package installs the check).
+REQUEST_CHECK = ("vllm.logits_processors", "lookup_decode.engines.vllm.request_check:RequestCheck")
 
 
 # -- what the child processes run -------------------------------------------------------------------------
@@ -104,7 +107,8 @@ def scenario_requests(out):
     """One engine with vLLM's per-request metrics, serving in turn: the mixed requests with K_ARGS in one batch;
     the PREDICT request without a prediction, with it as text and as token ids (each in a scope of its own, so
     that the memory of the earlier runs cannot draft for the later ones); the POEM in scope "a", in scope "b",
-    in "a" again; the BAD values (while the drafter's log is recorded). TEST_PREDICTION: the reference's output
+    in "a" again; each BAD value alone (RequestCheck, installed with the package, refuses it); the BAD values in
+    one batch admitted without RequestCheck (the drafter's log recorded). TEST_PREDICTION: the reference's output
     of PREDICT (token ids)."""
     llm = vs.make_llm(vs.LOOKUP_SPEC, per_request_spec_decode_metrics="summary")
     tok = llm.get_tokenizer()
@@ -128,45 +132,21 @@ def scenario_requests(out):
         outs = vs.generate_requests(llm, [p["poem"]], POEM_TOKENS, [{"lookup_decode_scope": scope}])
         result["scopes"].append(_record(llm, outs, probe)[0])
 
-    before = vs.spec_metrics(llm)
-    with vs.KeepLogs() as records:
-        outs = vs.generate_requests(llm, p["mixed"][1:1 + len(BAD)], p["mixed_max"][1:1 + len(BAD)], BAD)
-    result["bad"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "records": records,
-                     "metrics": vs.metrics_delta(vs.spec_metrics(llm), before)}
-    _write(out, result)
-
-
-def scenario_check(out):
-    """An engine with RequestCheck: each BAD value alone in a request (the error LLM.generate raises), then one
-    request with good values of every key (served)."""
-    llm = vs.make_llm(vs.LOOKUP_SPEC, per_request_spec_decode_metrics="summary")
-    p = _prompts(llm.get_tokenizer())
-    errors = []
+    result["refused"] = []                  # RequestCheck (installed with the package): each bad value alone
     for args in BAD:
         try:
             vs.generate_requests(llm, [p["poem"]], 8, [args])
         except Exception as e:         # noqa: BLE001 - the test reads type and message
-            errors.append({"types": [c.__name__ for c in type(e).__mro__], "message": str(e)})
+            result["refused"].append({"types": [c.__name__ for c in type(e).__mro__], "message": str(e)})
         else:
-            errors.append(None)
-    good = {"lookup_decode_k": 4, "lookup_decode_scope": "s", "lookup_decode_prediction": "def bar(items):"}
-    outs = vs.generate_requests(llm, [p["mixed"][0]], 32, [good])
-    _write(out, {"errors": errors, "good": list(outs[0].outputs[0].token_ids), "vllm": vs.request_metrics(outs[0])})
-
-
-def request_check_path(folder: Path) -> str:
-    """A folder to put on PYTHONPATH that makes vLLM run RequestCheck on every request: a distribution's metadata
-    declaring it a logits-processor plugin (entry point group "vllm.logits_processors"). vLLM 0.32 calls every
-    plugin's validate_params when it admits a request (a ValueError there fails the request: LLM.generate raises,
-    the server answers 400), and with speculative decoding on it never builds a plugin into the model runner,
-    where `logits_processors=[...]` would stop the engine from starting ("Custom logits processors are not
-    supported when speculative decoding is enabled")."""
-    info = folder / "lookup_decode_request_check-0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lookup-decode-request-check\nVersion: 0\n")
-    module, name = REQUEST_CHECK.split(":")
-    (info / "entry_points.txt").write_text(f"[vllm.logits_processors]\nrequest_check = {module}:{name}\n")
-    return str(folder)
+            result["refused"].append(None)
+    before, ignored = vs.spec_metrics(llm), vs.drafter_of(llm).stats.ignored
+    with vs.KeepLogs() as records, vs.admission_unchecked(llm):
+        outs = vs.generate_requests(llm, p["mixed"][1:1 + len(BAD)], p["mixed_max"][1:1 + len(BAD)], BAD)
+    result["bad"] = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "records": records,
+                     "metrics": vs.metrics_delta(vs.spec_metrics(llm), before),
+                     "ignored": vs.drafter_of(llm).stats.ignored - ignored}
+    _write(out, result)
 
 
 # -- fixtures: one child per engine -------------------------------------------------------------------------
@@ -287,22 +267,20 @@ def test_bad_values_are_logged_and_ignored(reference, requests):
         named = [m for m in warnings if key in m]
         assert named, f"no warning names {key}: {warnings}"
     # once per request: no more warnings than bad requests
-    assert len(warnings) <= len(BAD), warnings
+    assert len(warnings) <= len(BAD) and bad["ignored"] == len(BAD), (bad["ignored"], warnings)
 
 
-def test_request_check_rejects_bad_values_naming_the_key(reference, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("check")
-    path = request_check_path(folder / "plugin")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)}
-    got = vs.run_scenario("test_vllm_requests", "scenario_check", folder / "out.json", env=env, timeout=300)
-    for args, error in zip(BAD, got["errors"]):
+def test_request_check_is_installed_and_refuses_bad_values_naming_the_key(requests):
+    from importlib.metadata import entry_points
+    group, value = REQUEST_CHECK
+    assert value in [e.value for e in entry_points(group=group)], f"no {group} entry point {value}: reinstall"
+    for args, error in zip(BAD[:CHECKED], requests["refused"]):
         key = next(iter(args))
         assert error is not None, f"{args} was admitted"
-        # vLLM turns validate_params' ValueError into VLLMValidationError (a client error: HTTP 400)
+        # vLLM turns validate_params' ValueError into its VLLMValidationError (a client error: HTTP 400)
         assert "ValueError" in error["types"] or "VLLMValidationError" in error["types"], error
         assert key in error["message"], error
-    assert got["good"] == reference["mixed"][0][:32]
-    assert got["vllm"]["num_accepted_draft_tokens"] > 0
+    assert requests["refused"][CHECKED:] == [None] * (len(BAD) - CHECKED)   # ids beyond the vocabulary: the drafter's
 
 
 # -- the OpenAI server ------------------------------------------------------------------------------------------
@@ -376,15 +354,15 @@ def _server_tps(run: dict) -> float:
 
 @pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs openai")
 def test_openai_server_per_request_settings(reference, tmp_path):
-    """One server with the drafter, vLLM's per-request metrics and RequestCheck: k = 0 beside requests that draft
-    (sent at once), a prediction through extra_body, two scopes, bad values answered with HTTP 400."""
+    """One server with the drafter, vLLM's per-request metrics and RequestCheck (installed with the package):
+    k = 0 beside requests that draft (sent at once), a prediction through extra_body, two scopes, bad values
+    answered with HTTP 400."""
     import openai
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(vs.model_folder())
     text = lambda ids: tok.decode(ids, skip_special_tokens=True)          # noqa: E731
     env = vs.child_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)                        # the server's own engine process
-    env["PYTHONPATH"] = os.pathsep.join([request_check_path(tmp_path / "plugin"), env["PYTHONPATH"]])
     args = ["--speculative-config", json.dumps(vs.LOOKUP_SPEC), "--per-request-spec-decode-metrics", "summary"]
     log = tmp_path / "server.log"
     with _server(log, args, env) as url:
@@ -405,7 +383,7 @@ def test_openai_server_per_request_settings(reference, tmp_path):
                                     {"lookup_decode_scope": "text", "lookup_decode_prediction": predicted})
         scopes = [_complete(url, POEM, POEM_TOKENS, {"lookup_decode_scope": s}) for s in ("a", "b", "a")]
         rejected = []
-        for xargs in BAD:
+        for xargs in BAD[:CHECKED]:
             try:
                 _complete(url, POEM, 8, xargs)
             except openai.BadRequestError as e:
@@ -430,6 +408,6 @@ def test_openai_server_per_request_settings(reference, tmp_path):
     first_a, b, second_a = (run["spec"]["num_accepted_draft_tokens"] for run in scopes)
     assert second_a > b and second_a > first_a, (first_a, b, second_a)
     # bad values: 400, naming the key
-    for xargs, got in zip(BAD, rejected):
+    for xargs, got in zip(BAD[:CHECKED], rejected):
         assert got is not None and got[0] == 400, (xargs, got)
         assert next(iter(xargs)) in got[1], (xargs, got)

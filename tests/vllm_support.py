@@ -405,3 +405,21 @@ class KeepLogs:
 
     def __exit__(self, *exc):
         self.logger.removeHandler(self.handler)
+
+
+def admission_unchecked(llm):
+    """Requests admitted without the logits processors' validate_params (lookup_decode's RequestCheck, a plugin
+    registered when the package is installed): what the drafter meets where RequestCheck is not installed."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def unchecked():
+        processor = llm.llm_engine.input_processor
+        check = processor.validate_logits_processors_params
+        processor.validate_logits_processors_params = lambda params: None
+        try:
+            yield
+        finally:
+            processor.validate_logits_processors_params = check
+
+    return unchecked()
