@@ -191,7 +191,9 @@ def summarize(reference: dict, lookup: dict) -> dict:
     row: round_s (`spread` over rounds of the seconds of the round's runs of that cell, summed over requests),
     tokens, tokens_per_step (`spread` over rounds: the round's tokens over its steps), drafted and accepted
     (medians over rounds of the sums), vs_none (`spread` of the paired ratios none's round seconds / the
-    variant's), identical (runs whose tokens equal no speculation's first output for that prompt) and runs.
+    variant's, lookup_decode's prediction variants only), vs_no_speculation (the no-speculation engine's median
+    round seconds / the variant's: another process, not paired), identical (runs whose tokens equal no
+    speculation's first output for that prompt) and runs.
     """
     ref_tokens = {(r["request"], r["form"]): r["tokens"] for r in reference["runs"] if r["round"] == 0}
     cells: dict = {}
@@ -217,9 +219,12 @@ def summarize(reference: dict, lookup: dict) -> dict:
             "runs": len(all_runs), "by_round": per_round}
     for form, rows in out.items():
         none = rows.get("none", {}).get("by_round", {})
+        plain = rows.get("no_speculation", {}).get("round_s")
         for variant, row in rows.items():
             pairs = [none[rnd]["s"] / x["s"] for rnd, x in row["by_round"].items() if rnd in none and x["s"] > 0]
-            row["vs_none"] = spread(pairs) if variant != "none" else None
+            row["vs_none"] = spread(pairs) if variant not in ("none", "no_speculation") else None
+            row["vs_no_speculation"] = (plain["median"] / row["round_s"]["median"]
+                                        if plain and variant != "no_speculation" else None)
     return out
 
 
@@ -239,18 +244,21 @@ def markdown(result: dict) -> str:
              f"outputs off. Load average at start {result['load']['start']}, at end {result['load']['end']}.  ",
              "Seconds: one round's runs of the cell summed over the requests, median (min–max) over rounds. Tokens "
              "per step from vLLM's per-request counters (completion tokens / steps; steps = tokens - accepted "
-             "draft tokens), median (min–max) over rounds. `x none`: none's round seconds / the variant's, paired "
-             "by round. `output`: prediction = the output without speculation (the best case); `file`: "
-             "prediction = the original file.", "",
-             "| prompt | variant | seconds per round | x none | tokens per step | draft tokens sent | accepted | "
-             "identical runs |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "draft tokens), median (min–max) over rounds. `x none`: lookup_decode without a prediction (`none`): "
+             "its round seconds / the variant's, paired by round, median (min–max). `x no spec`: the engine without "
+             "speculation, median over median (another process, run first: not paired). `output`: prediction = the "
+             "output without speculation (the best case); `file`: prediction = the original file. Draft tokens "
+             "sent and accepted: vLLM's per-request counters, median over rounds of the round's sum.", "",
+             "| prompt | variant | seconds per round | x none | x no spec | tokens per step | draft tokens sent | "
+             "accepted | identical runs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for form in FORMS:
         rows = result["summary"].get(form, {})
         for variant in ("no_speculation", *VARIANTS[form]):
             row = rows.get(variant)
             if row is None:
                 continue
-            lines.append(f"| {form} | {variant} | {_fmt(row['round_s'])} | {_fmt(row['vs_none'])} | "
+            ratio = "—" if row["vs_no_speculation"] is None else f"{row['vs_no_speculation']:.2f}"
+            lines.append(f"| {form} | {variant} | {_fmt(row['round_s'])} | {_fmt(row['vs_none'])} | {ratio} | "
                          f"{_fmt(row['tokens_per_step'])} | {row['drafted']} | {row['accepted']} | "
                          f"{row['identical']}/{row['runs']} |")
     lines += ["", "`no_speculation`: the engine without speculation (its own process, run before the other, the same "
