@@ -361,11 +361,6 @@ def request_metrics(output) -> dict | None:
     return None if metrics is None else metrics.to_dict()
 
 
-def tokens_per_step(n_tokens: int, accepted: int) -> float:
-    """Tokens a request emitted per engine step: every step emits one token plus the draft tokens it accepted."""
-    return n_tokens / max(n_tokens - accepted, 1)
-
-
 def engine_request_id(probe: dict, output_id: str) -> str:
     """The engine's id of LLM.generate's request `output_id` (the engine core names it "<id>-<suffix>"), from
     the ids a StepProbe saw scheduled."""

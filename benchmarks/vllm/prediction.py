@@ -23,8 +23,9 @@ batch 1, greedy. Each engine warms up untimed first.
 Order: --repeats rounds; a round runs every (request, form) once per variant, the variants in a random order
 (random.Random(--seed)), so a drift of the machine weighs on every variant alike.
 Reported per (form, variant): seconds of a round (the requests' sum) as the median over rounds with min-max;
-tokens per step from vLLM's per-request counters (completion tokens / (completion tokens - accepted draft
-tokens): each step emits one token plus the drafts it accepted); draft tokens sent and accepted; the paired ratio
+tokens per step (the output tokens over the engine steps that emitted them, counted in-process: vLLM's
+per-request `num_accepted_draft_tokens` also counts drafts of a last step that ran past max_tokens); vLLM's
+per-request draft tokens sent and accepted; the drafter's seconds; the paired ratio
 of `none`'s round seconds over the variant's (same round), median and min-max; and outputs identical to no
 speculation (greedy: every run must be).
 """
@@ -44,6 +45,7 @@ from pathlib import Path
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.vllm.engine import (
     WARMUP_TEXTS,
+    Probe,
     _load,
     _vllm_distribution,
     chat_prompt,
@@ -117,15 +119,21 @@ def run_child(plan_path: str, role: str, out_path: str) -> None:
     llm = LLM(**kw)
     build_s = time.perf_counter() - t
     requests = plan["requests"]
+    core = llm.llm_engine.engine_core.engine_core          # LLMEngine -> InprocClient -> EngineCore
+    runner = core.model_executor.driver_worker.worker.model_runner
+    probe = Probe(core, runner)                            # the engine steps that emitted tokens, the drafter's time
 
     def generate(prompt, extra_args=None) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=s["max_tokens"], extra_args=extra_args)
+        probe.reset()
         t = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         wall = time.perf_counter() - t
         metrics = out.outputs[0].spec_decode_metrics
-        return {"wall_s": wall, "tokens": list(out.outputs[0].token_ids),
-                "spec": None if metrics is None else metrics.to_dict()}
+        snap = probe.snapshot()
+        return {"wall_s": wall, "tokens": list(out.outputs[0].token_ids), "load": _load(),
+                "spec": None if metrics is None else metrics.to_dict(), "steps": snap["emitting_steps"],
+                "propose_s": snap["propose_s"]}
 
     t = time.perf_counter()
     for text in WARMUP_TEXTS:
@@ -177,19 +185,12 @@ def run_engine(plan_path: Path, role: str, workdir: Path, env: dict, timeout: fl
 
 # ------------------------------------------------------------------------------------------- summaries
 
-def tokens_per_step(tokens: int, accepted: int) -> float:
-    """Tokens per engine step of a request: each step emits one token plus the drafts it accepted.
-
-    Example: tokens_per_step(100, 60) -> 2.5
-    """
-    return tokens / max(tokens - accepted, 1)
-
-
 def summarize(reference: dict, lookup: dict) -> dict:
     """{form: {variant: row}}; rows of the lookup_decode variants and one of "no_speculation".
 
     row: round_s (`spread` over rounds of the seconds of the round's runs of that cell, summed over requests),
-    tokens, tokens_per_step (`spread` over rounds: the round's tokens over its steps), drafted and accepted
+    tokens, tokens_per_step (`spread` over rounds: the round's tokens over the engine steps that emitted them),
+    propose_s (median over rounds of the drafter's seconds in the round's runs), drafted and accepted
     (medians over rounds of the sums), vs_none (`spread` of the paired ratios none's round seconds / the
     variant's, lookup_decode's prediction variants only), vs_no_speculation (the no-speculation engine's median
     round seconds / the variant's: another process, not paired), identical (runs whose tokens equal no
@@ -206,14 +207,17 @@ def summarize(reference: dict, lookup: dict) -> dict:
             tokens = sum(len(r["tokens"]) for r in runs)
             accepted = sum((r["spec"] or {}).get("num_accepted_draft_tokens", 0) for r in runs)
             drafted = sum((r["spec"] or {}).get("num_draft_tokens", 0) for r in runs)
+            steps = sum(r["steps"] for r in runs)
             per_round[rnd] = {"s": sum(r["wall_s"] for r in runs), "tokens": tokens, "accepted": accepted,
-                              "drafted": drafted, "tps": tokens_per_step(tokens, accepted)}
+                              "drafted": drafted, "tps": tokens / steps if steps else None,
+                              "propose_s": sum(r.get("propose_s") or 0.0 for r in runs)}
         all_runs = [r for runs in rounds.values() for r in runs]
         out.setdefault(form, {})[variant] = {
             "round_s": spread([x["s"] for x in per_round.values()]),
             "tokens": spread([x["tokens"] for x in per_round.values()])["median"],
             "tokens_per_step": spread([x["tps"] for x in per_round.values()]),
             "drafted": spread([x["drafted"] for x in per_round.values()])["median"],
+            "propose_s": spread([x["propose_s"] for x in per_round.values()])["median"],
             "accepted": spread([x["accepted"] for x in per_round.values()])["median"],
             "identical": sum(r["tokens"] == ref_tokens.get((r["request"], r["form"])) for r in all_runs),
             "runs": len(all_runs), "by_round": per_round}
@@ -226,6 +230,10 @@ def summarize(reference: dict, lookup: dict) -> dict:
             row["vs_no_speculation"] = (plain["median"] / row["round_s"]["median"]
                                         if plain and variant != "no_speculation" else None)
     return out
+
+
+def _f(x) -> str:
+    return "—" if x is None else f"{x:.2f}"
 
 
 def _fmt(s: dict | None, digits: int = 2) -> str:
@@ -241,16 +249,21 @@ def markdown(result: dict) -> str:
              f"{len(result['requests'])} NoFunEval code edits ({', '.join(result['requests'])}), file <= "
              f"{st['max_file_tokens']} tokens; {st['repeats']} rounds, variants shuffled within each; batch 1, "
              f"greedy, max_tokens {st['max_tokens']}, K = {st['k']}, prefix caching off, the drafter's memory of "
-             f"outputs off. Load average at start {result['load']['start']}, at end {result['load']['end']}.  ",
-             "Seconds: one round's runs of the cell summed over the requests, median (min–max) over rounds. Tokens "
-             "per step from vLLM's per-request counters (completion tokens / steps; steps = tokens - accepted "
-             "draft tokens), median (min–max) over rounds. `x none`: lookup_decode without a prediction (`none`): "
-             "its round seconds / the variant's, paired by round, median (min–max). `x no spec`: the engine without "
-             "speculation, median over median (another process, run first: not paired). `output`: prediction = the "
-             "output without speculation (the best case); `file`: prediction = the original file. Draft tokens "
-             "sent and accepted: vLLM's per-request counters, median over rounds of the round's sum.", "",
+             f"outputs off. Load average (1 min) at start {_f(result['load']['start'])}, at end "
+             f"{_f(result['load']['end'])}, highest at a run's end {_f(result['load']['max'])}.  ",
+             "Seconds: one round's runs of the cell summed over the requests, median (min–max) over rounds. "
+             "Tokens per step: the round's output tokens over the engine steps that emitted them (the engine's "
+             "scheduler output, counted in-process), median (min–max) over rounds. "
+             "`x none`: lookup_decode without a prediction (`none`): its round seconds / the variant's, paired by "
+             "round, median (min–max). `x no spec`: the engine without speculation, median over median (another "
+             "process, run first: not paired). "
+             "`output`: prediction = the output without speculation (the best case); `file`: prediction = the "
+             "original file. "
+             "Draft tokens sent and accepted: vLLM's per-request counters, median over rounds of the round's sum "
+             "(accepted includes drafts of a last step that ran past max_tokens, which the output drops). "
+             "Drafter ms: its propose calls in the round, median over rounds.", "",
              "| prompt | variant | seconds per round | x none | x no spec | tokens per step | draft tokens sent | "
-             "accepted | identical runs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "accepted | drafter ms | identical runs |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for form in FORMS:
         rows = result["summary"].get(form, {})
         for variant in ("no_speculation", *VARIANTS[form]):
@@ -260,7 +273,7 @@ def markdown(result: dict) -> str:
             ratio = "—" if row["vs_no_speculation"] is None else f"{row['vs_no_speculation']:.2f}"
             lines.append(f"| {form} | {variant} | {_fmt(row['round_s'])} | {_fmt(row['vs_none'])} | {ratio} | "
                          f"{_fmt(row['tokens_per_step'])} | {row['drafted']} | {row['accepted']} | "
-                         f"{row['identical']}/{row['runs']} |")
+                         f"{1e3 * row['propose_s']:.0f} | {row['identical']}/{row['runs']} |")
     lines += ["", "`no_speculation`: the engine without speculation (its own process, run before the other, the same "
               "requests and rounds; its tokens per step are 1).", ""]
     if result.get("drafter_summary"):
@@ -324,7 +337,10 @@ def main(argv=None) -> None:
     plan_path.write_text(json.dumps(plan))
     lookup = run_engine(plan_path, "lookup", workdir, env, args.timeout)
     result = {"command": env_info["command"], "environment": env_info, "settings": settings,
-              "load": {"start": load_start, "end": _load()}, "run_s": time.perf_counter() - t,
+              "load": {"start": load_start, "end": _load(),
+                       "max": max((r["load"] for e in (reference, lookup) for r in e["runs"] if r.get("load")),
+                                  default=None)},
+              "run_s": time.perf_counter() - t,
               "requests": [e["id"] for e in edits], "rounds": plan["rounds"],
               "summary": summarize(reference, lookup), "drafter_summary": lookup.get("drafter_summary"),
               "engines": {"none": reference, "lookup": lookup}}
