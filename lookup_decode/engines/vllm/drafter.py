@@ -108,8 +108,14 @@ class DrafterStats:
     requests: OrderedDict = field(default_factory=OrderedDict)      # request id -> RequestStats (by id only)
 
     def request(self, request_id: str) -> RequestStats | None:
-        """The counters of one request (None: not followed by id, or among the oldest forgotten)."""
-        return self.requests.get(request_id)
+        """The counters of one request (None: not followed by id, or among the oldest forgotten). vLLM's engine
+        adds a suffix to the id a client gave ("7" runs as "7-1a2b3c4d"): either finds it (the latest such)."""
+        found = self.requests.get(request_id)
+        if found is None:
+            for key in reversed(self.requests):
+                if key.rpartition("-")[0] == request_id:
+                    return self.requests[key]
+        return found
 
     def _new_request(self, request_id: str) -> RequestStats:
         out = self.requests[request_id] = RequestStats()
@@ -194,6 +200,9 @@ class LookupDrafter:
         # vLLM settles its CUDA graph sizes when it captures them, after building the drafter: read at the first step.
         self._graphs = getattr(vllm_config, "compilation_config", None) if device != "cpu" else None
         self._budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+        # A request's text prediction is tokenized inside an engine step: the tokenizer is loaded now, not there.
+        if self._tokenizer_name is not None:
+            self._tokenizer()
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()
