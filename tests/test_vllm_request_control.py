@@ -198,3 +198,22 @@ def test_parse_reads_the_server_value_kinds():
 def test_parse_names_the_bad_key(extra, key):
     with pytest.raises(ValueError, match=key):
         parse(extra)
+
+
+@pytest.mark.parametrize("version, runner, logged", [("0.32.0", True, False), ("0.33.1", True, False),
+                                                     ("0.40.0", True, True), ("0.32.0", False, True)])
+def test_the_path_is_logged_once_where_the_version_is_unknown_or_no_runner_is_found(version, runner, logged,
+                                                                                    monkeypatch, caplog):
+    monkeypatch.setattr(lv, "_vllm_version", lambda: version)
+    drafter = _drafter(4, FULL)
+    with caplog.at_level(logging.INFO, logger="lookup_decode.vllm"):
+        if runner:
+            SimRunner(drafter, max_num_reqs=2, ids=True).run(_requests(seed=12, n=2))
+        else:
+            drafter.load_model(None)                        # called by something that is not a runner
+            SimRunner(drafter, max_num_reqs=2).run(_requests(seed=12, n=2))
+    lines = [r.message for r in caplog.records if "rows are followed" in r.message]
+    assert len(lines) == (1 if logged else 0)
+    assert drafter.stats.identity == ("runner" if runner else "content")
+    if logged:
+        assert version in lines[0] and ("request ids" if runner else "by content") in lines[0]
