@@ -420,6 +420,7 @@ class LookupDrafter:
 
     def _start_request(self, s: int, request_id: str, params) -> None:
         """Slot s now holds request `request_id`: its temperature, its own k, its scope's memory, its prediction."""
+        self._own.pop(s, None)                      # (a slot freed without `_drop` may have held one)
         self.requests.temperature[s] = float(getattr(params, "temperature", 0.0) or 0.0)
         self._req_stats[s] = self.stats.request(request_id) or self.stats._new_request(request_id)
         extra = getattr(params, "extra_args", None)
@@ -651,9 +652,10 @@ class LookupDrafter:
         outputs once the engine is idle, and write memory_save when outputs entered the memory and save_seconds
         passed since the last write (or save_every are waiting). The file is written from a snapshot, outside
         the lock: propose never waits for a disk."""
-        self.memory.evict_aside()                   # takes the memory's lock only to choose and to swap
-        for memory in list(self.scopes.values()):
-            memory.evict_aside()
+        with self._lock:
+            scoped = list(self.scopes.values())
+        for memory in [self.memory, *scoped]:
+            memory.evict_aside()                    # takes the memory's lock only to choose and to swap
         if not self._persists:
             return
         with self._lock:
