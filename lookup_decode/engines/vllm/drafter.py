@@ -61,11 +61,10 @@ from lookup_decode.engines.vllm import cpu_fix, request_args
 from lookup_decode.engines.vllm.request_args import RequestArgs, parse
 from lookup_decode.engines.vllm.requests import RequestTable, fingerprints  # noqa: F401  (fingerprints: documented)
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path  # noqa: F401
-from lookup_decode.sources.memory import Memory, References, load_memory, load_references
-from lookup_decode.sources.proposer import MEMORY, REFERENCES, REQUEST
+from lookup_decode.sources.memory import Memory, References, load_memory, load_references, prediction_of
+from lookup_decode.sources.proposer import MEMORY, PREDICTION, REFERENCES, REQUEST
 
 log = logging.getLogger("lookup_decode.vllm")
-PREDICTION = "prediction"
 SOURCES = (REQUEST, MEMORY, REFERENCES, PREDICTION)   # a draft's source: 0 the request, 1 + the pool's corpus role
 IDLE_SECONDS = 1.0      # no propose call for this long: the engine is idle, its known requests' outputs are stored
 KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read (`_find_runner`)
@@ -465,12 +464,8 @@ class LookupDrafter:
     def _prediction(self, request_id: str, args: RequestArgs) -> References | None:
         """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
         try:
-            prediction = References(vocab_size=self.vocab_size)
-            if isinstance(args.prediction, str):
-                prediction.register(PREDICTION, args.prediction, tokenizer=self._tokenizer())
-            else:
-                prediction.register(PREDICTION, tokens=np.asarray(args.prediction, np.int64))
-            return prediction
+            tokenizer = self._tokenizer() if isinstance(args.prediction, str) else None
+            return prediction_of(args.prediction, tokenizer=tokenizer, vocab_size=self.vocab_size)
         except (ValueError, TypeError, OSError) as e:
             self.stats.ignored += 1
             log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
