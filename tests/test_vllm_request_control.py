@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.vllm.runner import SimRequest, SimRunner
+from lookup_decode.core.draft import kept_prefix
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.vllm.request_args import RequestArgs, parse
@@ -217,3 +218,20 @@ def test_the_path_is_logged_once_where_the_version_is_unknown_or_no_runner_is_fo
     assert drafter.stats.identity == ("runner" if runner else "content")
     if logged:
         assert version in lines[0] and ("request ids" if runner else "by content") in lines[0]
+
+
+def test_a_request_counts_what_it_was_sent_and_kept():
+    """Adaptive: rows are sent a prefix of their proposals; a request's counters count that prefix alone (vLLM's
+    per-request num_draft_tokens and num_accepted_draft_tokens)."""
+    requests = _requests(seed=13, n=8)
+    drafter = _drafter(8)
+    runner = SimRunner(drafter, max_num_reqs=4, seed=3, step_seconds=lambda n: 0.05 + 0.01 * n, ids=True)
+    drafter.clock = runner.clock
+    runner.run(requests)
+    counters = [drafter.stats.request(r.id) for r in requests]
+    for r, c in zip(requests, counters):
+        assert c.drafted == sum(map(len, r.drafts))
+        at = np.cumsum([1] + r.emitted)                     # where each step's tokens start in the output
+        kept = [kept_prefix(np.asarray(d, np.int32), r.truth[a: a + e]) for d, a, e in zip(r.drafts, at, r.emitted)]
+        assert c.accepted == sum(kept)
+    assert sum(c.accepted for c in counters) > 0

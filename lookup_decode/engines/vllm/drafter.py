@@ -75,7 +75,7 @@ REQUESTS_KEPT = 4096    # per-request counters kept for this many requests (the 
 class RequestStats:
     """One request's counters, by vLLM's request id (`DrafterStats.request`)."""
     drafted: int = 0                   # draft tokens sent
-    accepted: int = 0                  # of those, kept by the engine
+    accepted: int = 0                  # of those, kept by the engine (vLLM's num_accepted_draft_tokens)
     sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source
 
 
@@ -535,11 +535,14 @@ class LookupDrafter:
         for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(SOURCES))):
             if n:
                 self.stats.sources[SOURCES[src]] += int(n)
+        # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
+        # engine's next token happened to equal the proposal's next one).
+        kept_sent = np.minimum(kept, self.requests.sent[slots])
         for i in np.flatnonzero(kept > 0).tolist():
             s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
-            if s in self._req_stats:
-                self._req_stats[s].accepted += int(kept[i])
-                self._req_stats[s].sources[SOURCES[src]] += int(kept[i])
+            if s in self._req_stats and kept_sent[i]:
+                self._req_stats[s].accepted += int(kept_sent[i])
+                self._req_stats[s].sources[SOURCES[src]] += int(kept_sent[i])
             if src > 0:
                 self._roles(s)[src - 1].credit(version, position, int(kept[i]))
 
