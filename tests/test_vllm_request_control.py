@@ -235,3 +235,18 @@ def test_a_request_counts_what_it_was_sent_and_kept():
         kept = [kept_prefix(np.asarray(d, np.int32), r.truth[a: a + e]) for d, a, e in zip(r.drafts, at, r.emitted)]
         assert c.accepted == sum(kept)
     assert sum(c.accepted for c in counters) > 0
+
+
+def test_a_tokenizer_that_cannot_load_leaves_text_predictions_unread_not_the_engine(tmp_path, monkeypatch, caplog):
+    from tests.test_vllm import _vllm_config
+    monkeypatch.delenv("LOOKUP_DECODE_CONFIG", raising=False)
+    config = _vllm_config(k=8, vocab=20)
+    config.model_config.tokenizer = str(tmp_path / "no-such-tokenizer")
+    with caplog.at_level(logging.WARNING, logger="lookup_decode.vllm"):
+        drafter = lv.LookupDrafter(config)
+        req = _copy_free(seed=14, n=1)[0]
+        req.extra_args = {"lookup_decode_prediction": "some text"}
+        SimRunner(drafter, max_num_reqs=1, ids=True).run([req])
+    assert any("tokenizer could not be loaded" in r.message for r in caplog.records)
+    assert any(req.id in r.message and "lookup_decode_prediction" in r.message for r in caplog.records)
+    assert req.out == req.truth.tolist() and drafter.stats.ignored == 1 and drafter.stats.errors == 0

@@ -200,8 +200,14 @@ class LookupDrafter:
         self._graphs = getattr(vllm_config, "compilation_config", None) if device != "cpu" else None
         self._budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
         # A request's text prediction is tokenized inside an engine step: the tokenizer is loaded now, not there.
-        if self._tokenizer_name is not None:
-            self._tokenizer()
+        # One that cannot be loaded leaves text predictions unread (each such request says so), never the engine.
+        if self._tokenizer_name is not None and self.tokenizer is None:
+            try:
+                self._tokenizer()
+            except Exception as e:                  # noqa: BLE001
+                log.warning("lookup_decode: the engine's tokenizer could not be loaded (%s): requests' text "
+                            "predictions are ignored (token ids still work)", e)
+                self._tokenizer_name = None
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()
@@ -322,7 +328,8 @@ class LookupDrafter:
         if runner is None or not version.startswith(KNOWN_VLLM):
             log.info("lookup_decode: vLLM %s: rows are followed %s", version or "(unknown version)",
                      "by vLLM's request ids (per-request settings read)" if runner is not None else
-                     "by content (the runner's request ids were not found: no per-request settings)")
+                     "by content (the runner's request ids were not found: no per-request settings, and memory "
+                     "scopes are not told apart; set the memory off where tenants must not share it)")
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float) -> list[list[int]]:
         self._call += 1
@@ -476,7 +483,8 @@ class LookupDrafter:
         """The engine's tokenizer (loaded once, on the first text that needs it)."""
         if self.tokenizer is None:
             if self._tokenizer_name is None:
-                raise ValueError("needs the engine's tokenizer, which this drafter was not given")
+                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
+                                 "token ids)")
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
         return self.tokenizer
