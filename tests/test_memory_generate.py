@@ -187,3 +187,45 @@ def test_chat_loop_keeps_one_memory_across_turns(tiny_llama, tmp_path):
     assert [m["role"] for m in messages] == ["user", "assistant"]      # /reset started a new conversation
     assert len(memory) >= 1 and err.getvalue().count("mean accepted length") == 3
     assert accepted_from(memory) > 0          # the repeated first turn after /reset drafted from memory
+
+
+def test_a_prediction_equals_plain_greedy_and_drafts_the_output(tiny_llama):
+    """OpenAI's Predicted Outputs in generate(): the output it predicts is drafted whole, through the hook too."""
+    prompt = random_prompt(11)
+    ref = tiny_llama.generate(prompt, max_new_tokens=48, **GREEDY)
+    stats = DecodeStats()
+    got = tiny_llama.generate(prompt, max_new_tokens=48, custom_generate=lookup_decode.generate, adaptive=False,
+                              prediction=ref[0, prompt.shape[1]:], stats=stats, **GREEDY)
+    assert got.tolist() == ref.tolist()
+    assert stats.accepted >= 40 and stats.mean_accepted_length > 5       # guard: the prediction was drafted
+
+
+def test_a_text_prediction_needs_the_tokenizer(tiny_llama):
+    class Tokenizer:                                    # one id per character: "ABC" -> [3, 4, 5]
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) - ord("A") + 3 for c in text]}
+
+    prompt = random_prompt(12)
+    ref = tiny_llama.generate(prompt, max_new_tokens=32, **GREEDY)
+    text = "".join(chr(int(t) - 3 + ord("A")) for t in ref[0, prompt.shape[1]:])
+    stats = DecodeStats()
+    got = lookup_decode.generate(tiny_llama, prompt, max_new_tokens=32, prediction=text, tokenizer=Tokenizer(),
+                                 adaptive=False, stats=stats, **GREEDY)
+    assert got.tolist() == ref.tolist() and stats.accepted >= 25
+    with pytest.raises(ValueError, match="text prediction needs the model's tokenizer"):
+        lookup_decode.generate(tiny_llama, prompt, max_new_tokens=4, prediction=text, **GREEDY)
+
+
+def test_a_batch_takes_one_prediction_per_row(tiny_llama):
+    prompts = torch.cat([random_prompt(s) for s in (13, 14, 15)])
+    ref = tiny_llama.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40, **GREEDY)
+    new = ref[:, prompts.shape[1]:]
+    stats = DecodeStats()
+    got = lookup_decode.generate(tiny_llama, prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=40,
+                                 prediction=[new[0].tolist(), None, new[2]], adaptive=False, stats=stats, **GREEDY)
+    assert got.tolist() == ref.tolist()
+    steps = stats.row_steps
+    assert steps[0] * 3 < steps[1] and steps[2] * 3 < steps[1]           # the predicted rows took far fewer steps
+    with pytest.raises(ValueError, match="a batch of 3 rows needs one prediction per row"):
+        lookup_decode.generate(tiny_llama, prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=4,
+                               prediction=new[0].tolist(), **GREEDY)

@@ -111,7 +111,8 @@ def test_read_input_names_line_and_cause(tmp_path):
                        {"id": 1, "prompt": "again"}, {"id": "w", "prompt": "p", "max_new_tokens": 0},
                        ["a", "list"], {"id": True, "prompt": "p"}])
     items = read_input(path)
-    assert items[0] == {"id": 1, "line": 1, "messages": [{"role": "user", "content": "ok"}], "max_new_tokens": None}
+    assert items[0] == {"id": 1, "line": 1, "messages": [{"role": "user", "content": "ok"}], "max_new_tokens": None,
+                        "prediction": None}
     errors = {i["line"]: i["error"] for i in items if "error" in i}
     assert sorted(errors) == list(range(2, 11))
     assert "not valid JSON" in errors[2] and "'id'" in errors[3] and "'prompt' (a string)" in errors[4]
@@ -134,6 +135,21 @@ def test_local_job_exact_with_errors_then_resume(tmp_path, model_dir, reference)
     again = run(job(model_dir), path, out, progress=False)
     assert (again.done, again.errors, again.skipped) == (0, 0, len(rows) + 2)
     assert read_output(out) == records
+
+
+def test_records_with_a_prediction_draft_from_it(tmp_path, model_dir, reference):
+    """A record's `prediction` (here what plain generate answers) is drafted from for that record alone: the same
+    text in fewer steps; a prediction that is not a string is that record's error."""
+    rows = [{**row, "max_new_tokens": 24} for row in good_rows(4)]
+    predicted = [{**row, "id": row["id"] + "-p", "prediction": reference(row["prompt"], 24)[0]} for row in rows]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(path, rows + predicted + [{"id": "bad", "prompt": "p", "prediction": 7}])
+    run(job(model_dir, memory=False), path, out, progress=False)
+    records = {r["id"]: r for r in read_output(out)}
+    assert "'prediction' must be a non-empty string" in records["bad"]["error"]
+    for row, p in zip(rows, predicted):
+        assert records[p["id"]]["text"] == records[row["id"]]["text"] == reference(row["prompt"], 24)[0]
+    assert sum(records[p["id"]]["steps"] for p in predicted) * 2 < sum(records[r["id"]]["steps"] for r in rows)
 
 
 def test_parquet_input_and_references(tmp_path, model_dir, reference):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.vllm.runner import SimRequest, SimRunner
+from lookup_decode.core.draft import kept_prefix
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.vllm.request_args import RequestArgs, parse
@@ -198,3 +199,54 @@ def test_parse_reads_the_server_value_kinds():
 def test_parse_names_the_bad_key(extra, key):
     with pytest.raises(ValueError, match=key):
         parse(extra)
+
+
+@pytest.mark.parametrize("version, runner, logged", [("0.32.0", True, False), ("0.33.1", True, False),
+                                                     ("0.40.0", True, True), ("0.32.0", False, True)])
+def test_the_path_is_logged_once_where_the_version_is_unknown_or_no_runner_is_found(version, runner, logged,
+                                                                                    monkeypatch, caplog):
+    monkeypatch.setattr(lv, "_vllm_version", lambda: version)
+    drafter = _drafter(4, FULL)
+    with caplog.at_level(logging.INFO, logger="lookup_decode.vllm"):
+        if runner:
+            SimRunner(drafter, max_num_reqs=2, ids=True).run(_requests(seed=12, n=2))
+        else:
+            drafter.load_model(None)                        # called by something that is not a runner
+            SimRunner(drafter, max_num_reqs=2).run(_requests(seed=12, n=2))
+    lines = [r.message for r in caplog.records if "rows are followed" in r.message]
+    assert len(lines) == (1 if logged else 0)
+    assert drafter.stats.identity == ("runner" if runner else "content")
+    if logged:
+        assert version in lines[0] and ("request ids" if runner else "by content") in lines[0]
+
+
+def test_a_request_counts_what_it_was_sent_and_kept():
+    """Adaptive: rows are sent a prefix of their proposals; a request's counters count that prefix alone (vLLM's
+    per-request num_draft_tokens and num_accepted_draft_tokens)."""
+    requests = _requests(seed=13, n=8)
+    drafter = _drafter(8)
+    runner = SimRunner(drafter, max_num_reqs=4, seed=3, step_seconds=lambda n: 0.05 + 0.01 * n, ids=True)
+    drafter.clock = runner.clock
+    runner.run(requests)
+    counters = [drafter.stats.request(r.id) for r in requests]
+    for r, c in zip(requests, counters):
+        assert c.drafted == sum(map(len, r.drafts))
+        at = np.cumsum([1] + r.emitted)                     # where each step's tokens start in the output
+        kept = [kept_prefix(np.asarray(d, np.int32), r.truth[a: a + e]) for d, a, e in zip(r.drafts, at, r.emitted)]
+        assert c.accepted == sum(kept)
+    assert sum(c.accepted for c in counters) > 0
+
+
+def test_a_tokenizer_that_cannot_load_leaves_text_predictions_unread_not_the_engine(tmp_path, monkeypatch, caplog):
+    from tests.test_vllm import _vllm_config
+    monkeypatch.delenv("LOOKUP_DECODE_CONFIG", raising=False)
+    config = _vllm_config(k=8, vocab=20)
+    config.model_config.tokenizer = str(tmp_path / "no-such-tokenizer")
+    with caplog.at_level(logging.WARNING, logger="lookup_decode.vllm"):
+        drafter = lv.LookupDrafter(config)
+        req = _copy_free(seed=14, n=1)[0]
+        req.extra_args = {"lookup_decode_prediction": "some text"}
+        SimRunner(drafter, max_num_reqs=1, ids=True).run([req])
+    assert any("tokenizer could not be loaded" in r.message for r in caplog.records)
+    assert any(req.id in r.message and "lookup_decode_prediction" in r.message for r in caplog.records)
+    assert req.out == req.truth.tolist() and drafter.stats.ignored == 1 and drafter.stats.errors == 0

@@ -347,3 +347,18 @@ def load_references(path, *, tokenizer=None, vocab_size: int | None = None) -> R
         if text:                                # an empty file is no document
             refs.register(name, text, tokenizer=tokenizer)
     return refs
+
+
+def prediction_of(prediction, *, tokenizer=None, vocab_size: int | None = None) -> References:
+    """A request's prediction (the text its output is expected to repeat, as OpenAI's Predicted Outputs) as a
+    corpus of its own: `prediction` is a text (tokenized with `tokenizer`, no special tokens) or token ids (a list,
+    an int array or a 1-D tensor). ValueError/TypeError naming the problem (empty, not ids, unknown to a vocabulary
+    of vocab_size ids, text without a tokenizer). Example: prediction_of([5, 6, 7]).n_tokens == 3."""
+    refs = References(vocab_size=vocab_size)
+    if isinstance(prediction, str):
+        if tokenizer is None:
+            raise ValueError("a text prediction needs the model's tokenizer (pass tokenizer=..., or token ids)")
+        refs.register("prediction", prediction, tokenizer=tokenizer)
+    else:
+        refs.register("prediction", tokens=prediction.tolist() if hasattr(prediction, "tolist") else prediction)
+    return refs

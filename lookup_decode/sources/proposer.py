@@ -26,7 +26,7 @@ from lookup_decode.core.draft import Draft, kept_prefix
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.sources.corpus import Corpus, Cursor
 
-REQUEST, MEMORY, REFERENCES = "request", "memory", "references"
+REQUEST, MEMORY, REFERENCES, PREDICTION = "request", "memory", "references", "prediction"
 
 
 class SourcesProposer:

@@ -70,8 +70,10 @@ class HfEngine:
                 out = self.model.generate(input_ids, **kwargs)
             else:
                 stats = lookup_decode.DecodeStats()
+                predictions = [item.get("prediction") for item, _, _ in group]
                 hook = lookup_decode.lookup_decoding(self.job.lookup, stats=stats, references=self.references,
-                                                     memory=self.memory)
+                                                     memory=self.memory, tokenizer=self.tokenizer,
+                                                     prediction=predictions if any(predictions) else None)
                 out = self.model.generate(input_ids, custom_generate=hook, **kwargs)
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
         return [output_record(item, ids, trim_at_eos(out[b, P:], self.eos).tolist(), self.tokenizer,

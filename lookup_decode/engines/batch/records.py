@@ -2,12 +2,15 @@
 
     {"id": "a1", "prompt": "Summarise: ..."}                                  # the user message
     {"id": 7, "messages": [{"role": "user", "content": "..."}], "max_new_tokens": 128}
+    {"id": "e3", "prompt": "Rename f to g:\n<code>", "prediction": "<code>"}   # drafts from the prediction
 
 `prompt` is sent as the user message through the chat template; `messages` are chat messages as they are.
-`id` (a string or an integer) and `max_new_tokens` (an integer >= 1) are read by the batch job; bench needs
-neither. Each function raises `RecordError` naming the field that is wrong. `read_input` turns a whole file into
-the job's work items and error records; `key_of` is a record's identity in the input and the output. An engine
-turns work items into prompts with `tokenized` and what it generated into output records with `output_record`.
+`id` (a string or an integer), `max_new_tokens` (an integer >= 1) and `prediction` (a text the output is expected
+to repeat, as OpenAI's Predicted Outputs: drafted from for this record alone) are read by the batch job; bench
+needs none of them. Each function raises `RecordError` naming the field that is wrong. `read_input` turns a whole
+file into the job's work items and error records; `key_of` is a record's identity in the input and the output. An
+engine turns work items into prompts with `tokenized` and what it generated into output records with
+`output_record`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,14 @@ def max_new_tokens_of(row: dict) -> int | None:
     return int(n)
 
 
+def prediction_of_record(row: dict) -> str | None:
+    """The record's own `prediction` (None: none)."""
+    text = row.get("prediction")
+    if text is not None and (not isinstance(text, str) or not text):
+        raise RecordError(f"'prediction' must be a non-empty string, got {type(text).__name__}")
+    return text
+
+
 # ------------------------------------------------------------------------------------------ the job's input
 
 def key_of(record: dict) -> str:
@@ -102,13 +113,15 @@ def key_of(record: dict) -> str:
 
 
 def _validate(row, line: int) -> dict:
-    """A work item {"id", "line", "messages", "max_new_tokens"} or an error record {"id"?, "line", "error"}."""
+    """A work item {"id", "line", "messages", "max_new_tokens", "prediction"} or an error record {"id"?, "line",
+    "error"}."""
     out = {"line": line}
     try:
         if not isinstance(row, dict):
             messages_of(row)                         # names what it got
         out["id"] = id_of(row)
-        return {**out, "messages": messages_of(row), "max_new_tokens": max_new_tokens_of(row)}
+        return {**out, "messages": messages_of(row), "max_new_tokens": max_new_tokens_of(row),
+                "prediction": prediction_of_record(row)}
     except RecordError as e:
         return {**out, "error": str(e)}
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from lookup_decode.core.tokens import eos_ids, trim_at_eos
 from lookup_decode.engines.batch.records import output_record, tokenized
+from lookup_decode.engines.vllm.request_args import PREDICTION
 
 DRAFTER = "lookup_decode.vllm.LookupDrafter"
 CPU_KV_CACHE_BYTES = 1 << 30      # on a CPU without --kv-cache-bytes: vLLM would ask for 92 % of the RAM
@@ -135,8 +136,10 @@ class VllmEngine:
                                self.job.max_new_tokens)
         for item, ids, n in ready:
             base = {"id": item["id"], "line": item["line"]}
+            # The drafter reads a record's prediction from the request (engines/vllm/request_args.py).
+            extra = {PREDICTION: item["prediction"]} if item.get("prediction") and not self.job.plain else None
             params = SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(self.eos), detokenize=False,
-                                    output_kind=RequestOutputKind.DELTA)
+                                    output_kind=RequestOutputKind.DELTA, extra_args=extra)
             request_id = f"lookup-decode-{next(self._requests)}"  # the id vLLM's outputs carry back
             try:
                 engine = self.llm.llm_engine

@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 from functools import partial
 
+import numpy as np
 import torch
 from transformers import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
@@ -34,7 +35,8 @@ from lookup_decode.engines.hf.cache import check_batchable, check_croppable, cro
 from lookup_decode.engines.hf.draft_model import DraftModelProposer
 from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, check_batch_memory
 from lookup_decode.engines.hf.stopping import first_stops
-from lookup_decode.sources.proposer import check_sources, with_sources
+from lookup_decode.sources.memory import prediction_of
+from lookup_decode.sources.proposer import PREDICTION, check_sources, with_sources
 
 _OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
 # The output's cache field: `cache` in transformers 5.x, `past_key_values` in 4.56-4.57.
@@ -129,6 +131,8 @@ class _Call:
     sources: tuple = ()
     rules: Rules = Rules()
     costs: object = COSTS
+    prediction: object = None      # per call (one row) or per row (a batch): text or token ids, None: none
+    tokenizer: object = None       # reads a text prediction
 
 
 def _stops(stopping_criteria):
@@ -139,8 +143,9 @@ def _stops(stopping_criteria):
 def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     """One drafter per row: the caller's proposer(s), else a SuffixIndex (with memory/references if given)."""
     proposer, options = call.proposer, call.options
-    if proposer is not None and call.sources:
-        raise ValueError("memory/references draft through lookup_decode's own index; pass them or a proposer, not both")
+    if proposer is not None and (call.sources or call.prediction is not None):
+        raise ValueError("memory/references/prediction draft through lookup_decode's own index; pass them or a "
+                         "proposer, not both")
     if proposer is not None:
         drafters = list(proposer) if isinstance(proposer, (list, tuple)) else [proposer]
         if len(drafters) != rows:
@@ -153,10 +158,26 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     eos = eos_ids(generation_config)
     drafters = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
                 for _ in range(rows)]
-    if call.sources:  # session memory / reference documents (memory.py, sources.py)
-        drafters = [with_sources(d, call.sources, _vocab_size(model), min_match=options.min_match,
-                                 max_match=options.max_match, eos_token_ids=eos) for d in drafters]
-    return drafters
+    # Session memory / reference documents (memory.py, sources.py), and each row's own prediction.
+    sources = [call.sources + (((PREDICTION, p),) if p is not None else ())
+               for p in _predictions(call.prediction, rows, call.tokenizer, _vocab_size(model))]
+    return [with_sources(d, s, _vocab_size(model), min_match=options.min_match, max_match=options.max_match,
+                         eos_token_ids=eos) if s else d for d, s in zip(drafters, sources)]
+
+
+def _predictions(prediction, rows: int, tokenizer, vocab_size: int) -> list:
+    """Each row's prediction as a corpus (None: none): for one row a text or token ids, for a batch one such entry
+    (or None) per row."""
+    if prediction is None:
+        return [None] * rows
+    ids = isinstance(prediction, (torch.Tensor, np.ndarray)) or (
+        isinstance(prediction, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prediction))
+    if rows == 1 and (ids or isinstance(prediction, str)):
+        prediction = [prediction]
+    if not isinstance(prediction, (list, tuple)) or len(prediction) != rows:
+        raise ValueError(f"a batch of {rows} rows needs one prediction per row (a text, token ids or None): pass "
+                         f"prediction=[...] with {rows} entries")
+    return [None if p is None else prediction_of(p, tokenizer=tokenizer, vocab_size=vocab_size) for p in prediction]
 
 
 # The acceptance model's pooled counts per model: every call on a model learns into and prices from one pool (a
@@ -258,7 +279,7 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
 
 def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,
                     generator: torch.Generator | None = None, streamer=None, memory=None, references=None,
-                    costs=COSTS, rules: Rules = Rules(), **options):
+                    prediction=None, tokenizer=None, costs=COSTS, rules: Rules = Rules(), **options):
     """Return a callable for `model.generate(custom_generate=...)` with options bound.
 
     Useful when options must not travel through generate()'s kwargs, and to pass a streamer:
@@ -266,11 +287,12 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
     bind it here (it receives the prompt first, then the generated tokens, like plain generate).
     costs: the `CostModel` that keeps this model's measured forward costs (default: the shared
     `lookup_decode.COSTS`). rules: the acceptance rules (`verify.Rules`); tests swap in a wrong one to
-    show that they catch it.
+    show that they catch it. prediction, tokenizer: as for `generate`.
     """
     config = config if config is not None else LookupConfig(**options)
     bound_streamer = streamer
-    call = _Call(config, stats, proposer, generator, tuple(check_sources(memory, references)), rules, costs)
+    call = _Call(config, stats, proposer, generator, tuple(check_sources(memory, references)), rules, costs,
+                 prediction, tokenizer)
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=False, streamer=None, inputs_tensor=None, **model_kwargs):
@@ -289,7 +311,7 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
              synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
              max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
              proposer=None, generator: torch.Generator | None = None, memory=None, references=None,
-             inputs_tensor=None, **model_kwargs):
+             prediction=None, inputs_tensor=None, **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
 
     As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
@@ -304,7 +326,9 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     place), proposer (a `Drafter`: extend(tokens) and propose(max_tokens) -> Draft; one per row for a
     batch; default a SuffixIndex over the prompt and output), generator (torch.Generator for sampling),
     memory (a lookup_decode.Memory: drafts also from earlier outputs, and stores this one), references
-    (lookup_decode.References: drafts also from registered documents).
+    (lookup_decode.References: drafts also from registered documents), prediction (the text the output is
+    expected to repeat, as OpenAI's Predicted Outputs: token ids, or a text with tokenizer=...; a batch takes one
+    per row, or None, in a list): drafted from by this call alone.
     """
     given = {n: v for n, v in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if v is not None}
     options = LookupConfig(**given)
@@ -314,7 +338,7 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
         if not hasattr(model, "generate"):
             raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
         hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer,
-                               memory=memory, references=references)
+                               memory=memory, references=references, prediction=prediction, tokenizer=tokenizer)
         stop_strings = model_kwargs.pop("stop_strings", None)
         if stop_strings is not None:
             # transformers (5.x) drops `tokenizer` for a callable custom_generate and then refuses
@@ -328,6 +352,7 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
                               custom_generate=hook, **model_kwargs)
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
-    call = _Call(options, stats, proposer, generator, tuple(check_sources(memory, references)))
+    call = _Call(options, stats, proposer, generator, tuple(check_sources(memory, references)),
+                 prediction=prediction, tokenizer=tokenizer)
     return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call,
                           model_kwargs, inputs_tensor=inputs_tensor)

@@ -61,11 +61,10 @@ from lookup_decode.engines.vllm import cpu_fix, request_args
 from lookup_decode.engines.vllm.request_args import RequestArgs, parse
 from lookup_decode.engines.vllm.requests import RequestTable, fingerprints  # noqa: F401  (fingerprints: documented)
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path  # noqa: F401
-from lookup_decode.sources.memory import Memory, References, load_memory, load_references
-from lookup_decode.sources.proposer import MEMORY, REFERENCES, REQUEST
+from lookup_decode.sources.memory import Memory, References, load_memory, load_references, prediction_of
+from lookup_decode.sources.proposer import MEMORY, PREDICTION, REFERENCES, REQUEST
 
 log = logging.getLogger("lookup_decode.vllm")
-PREDICTION = "prediction"
 SOURCES = (REQUEST, MEMORY, REFERENCES, PREDICTION)   # a draft's source: 0 the request, 1 + the pool's corpus role
 IDLE_SECONDS = 1.0      # no propose call for this long: the engine is idle, its known requests' outputs are stored
 KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read (`_find_runner`)
@@ -76,7 +75,7 @@ REQUESTS_KEPT = 4096    # per-request counters kept for this many requests (the 
 class RequestStats:
     """One request's counters, by vLLM's request id (`DrafterStats.request`)."""
     drafted: int = 0                   # draft tokens sent
-    accepted: int = 0                  # of those, kept by the engine
+    accepted: int = 0                  # of those, kept by the engine (vLLM's num_accepted_draft_tokens)
     sources: Counter = field(default_factory=Counter)   # accepted draft tokens per source
 
 
@@ -108,8 +107,14 @@ class DrafterStats:
     requests: OrderedDict = field(default_factory=OrderedDict)      # request id -> RequestStats (by id only)
 
     def request(self, request_id: str) -> RequestStats | None:
-        """The counters of one request (None: not followed by id, or among the oldest forgotten)."""
-        return self.requests.get(request_id)
+        """The counters of one request (None: not followed by id, or among the oldest forgotten). vLLM's engine
+        adds a suffix to the id a client gave ("7" runs as "7-1a2b3c4d"): either finds it (the latest such)."""
+        found = self.requests.get(request_id)
+        if found is None:
+            for key in reversed(self.requests):
+                if key.rpartition("-")[0] == request_id:
+                    return self.requests[key]
+        return found
 
     def _new_request(self, request_id: str) -> RequestStats:
         out = self.requests[request_id] = RequestStats()
@@ -194,6 +199,15 @@ class LookupDrafter:
         # vLLM settles its CUDA graph sizes when it captures them, after building the drafter: read at the first step.
         self._graphs = getattr(vllm_config, "compilation_config", None) if device != "cpu" else None
         self._budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+        # A request's text prediction is tokenized inside an engine step: the tokenizer is loaded now, not there.
+        # One that cannot be loaded leaves text predictions unread (each such request says so), never the engine.
+        if self._tokenizer_name is not None and self.tokenizer is None:
+            try:
+                self._tokenizer()
+            except Exception as e:                  # noqa: BLE001
+                log.warning("lookup_decode: the engine's tokenizer could not be loaded (%s): requests' text "
+                            "predictions are ignored (token ids still work)", e)
+                self._tokenizer_name = None
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()
@@ -314,7 +328,8 @@ class LookupDrafter:
         if runner is None or not version.startswith(KNOWN_VLLM):
             log.info("lookup_decode: vLLM %s: rows are followed %s", version or "(unknown version)",
                      "by vLLM's request ids (per-request settings read)" if runner is not None else
-                     "by content (the runner's request ids were not found: no per-request settings)")
+                     "by content (the runner's request ids were not found: no per-request settings, and memory "
+                     "scopes are not told apart; set the memory off where tenants must not share it)")
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, now: float) -> list[list[int]]:
         self._call += 1
@@ -411,6 +426,7 @@ class LookupDrafter:
 
     def _start_request(self, s: int, request_id: str, params) -> None:
         """Slot s now holds request `request_id`: its temperature, its own k, its scope's memory, its prediction."""
+        self._own.pop(s, None)                      # (a slot freed without `_drop` may have held one)
         self.requests.temperature[s] = float(getattr(params, "temperature", 0.0) or 0.0)
         self._req_stats[s] = self.stats.request(request_id) or self.stats._new_request(request_id)
         extra = getattr(params, "extra_args", None)
@@ -455,12 +471,8 @@ class LookupDrafter:
     def _prediction(self, request_id: str, args: RequestArgs) -> References | None:
         """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
         try:
-            prediction = References(vocab_size=self.vocab_size)
-            if isinstance(args.prediction, str):
-                prediction.register(PREDICTION, args.prediction, tokenizer=self._tokenizer())
-            else:
-                prediction.register(PREDICTION, tokens=np.asarray(args.prediction, np.int64))
-            return prediction
+            tokenizer = self._tokenizer() if isinstance(args.prediction, str) else None
+            return prediction_of(args.prediction, tokenizer=tokenizer, vocab_size=self.vocab_size)
         except (ValueError, TypeError, OSError) as e:
             self.stats.ignored += 1
             log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
@@ -471,7 +483,8 @@ class LookupDrafter:
         """The engine's tokenizer (loaded once, on the first text that needs it)."""
         if self.tokenizer is None:
             if self._tokenizer_name is None:
-                raise ValueError("needs the engine's tokenizer, which this drafter was not given")
+                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
+                                 "token ids)")
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
         return self.tokenizer
@@ -530,11 +543,14 @@ class LookupDrafter:
         for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(SOURCES))):
             if n:
                 self.stats.sources[SOURCES[src]] += int(n)
+        # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
+        # engine's next token happened to equal the proposal's next one).
+        kept_sent = np.minimum(kept, self.requests.sent[slots])
         for i in np.flatnonzero(kept > 0).tolist():
             s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
-            if s in self._req_stats:
-                self._req_stats[s].accepted += int(kept[i])
-                self._req_stats[s].sources[SOURCES[src]] += int(kept[i])
+            if s in self._req_stats and kept_sent[i]:
+                self._req_stats[s].accepted += int(kept_sent[i])
+                self._req_stats[s].sources[SOURCES[src]] += int(kept_sent[i])
             if src > 0:
                 self._roles(s)[src - 1].credit(version, position, int(kept[i]))
 
@@ -642,9 +658,10 @@ class LookupDrafter:
         outputs once the engine is idle, and write memory_save when outputs entered the memory and save_seconds
         passed since the last write (or save_every are waiting). The file is written from a snapshot, outside
         the lock: propose never waits for a disk."""
-        self.memory.evict_aside()                   # takes the memory's lock only to choose and to swap
-        for memory in list(self.scopes.values()):
-            memory.evict_aside()
+        with self._lock:
+            scoped = list(self.scopes.values())
+        for memory in [self.memory, *scoped]:
+            memory.evict_aside()                    # takes the memory's lock only to choose and to swap
         if not self._persists:
             return
         with self._lock:

@@ -226,7 +226,7 @@ class RequestTable:
         claim = Claim(slots, np.where(known, have, 0), known & (have == before))
         claim.continued = int((known & (have < before)).sum())
         for j in np.flatnonzero(~known).tolist():
-            if not admit(int(counts[j])):
+            if ids[j] is None or not admit(int(counts[j])):     # (vLLM's rows hold None only mid-update)
                 continue
             s = self._new_slot(int(counts[j]), int(prompt_lens[j]), call)
             rid = ids[j]
