@@ -238,6 +238,18 @@ def test_k_zero_drafts_nothing_beside_requests_that_draft(reference, requests):
     assert got[3]["vllm"]["num_accepted_draft_tokens"] > 0
 
 
+def test_the_drafters_per_request_counters_agree_with_vllms(requests):
+    """drafter.stats.request(id): accepted is vLLM's own per-request count, split by source; drafted may exceed
+    vLLM's by drafts it never scheduled (a request's last step)."""
+    records = requests["k"]["requests"] + list(requests["predict"].values()) + requests["scopes"]
+    for r in records:
+        ours, theirs = r["drafter"], r["vllm"]
+        assert ours["accepted"] == theirs["num_accepted_draft_tokens"], (ours, theirs)
+        assert sum(ours["sources"].values()) == ours["accepted"], ours
+        assert ours["drafted"] >= theirs["num_draft_tokens"], (ours, theirs)
+    assert sum(r["drafter"]["accepted"] for r in records) > 0
+
+
 # -- 3. lookup_decode_prediction ------------------------------------------------------------------------------
 def test_prediction_drafts_the_predicted_output(reference, requests):
     runs = requests["predict"]
