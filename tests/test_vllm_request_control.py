@@ -250,3 +250,17 @@ def test_a_tokenizer_that_cannot_load_leaves_text_predictions_unread_not_the_eng
     assert any("tokenizer could not be loaded" in r.message for r in caplog.records)
     assert any(req.id in r.message and "lookup_decode_prediction" in r.message for r in caplog.records)
     assert req.out == req.truth.tolist() and drafter.stats.ignored == 1 and drafter.stats.errors == 0
+
+
+def test_no_draft_runs_past_max_tokens():
+    """vLLM verifies, then drops from the output, the drafts of a last step that run past max_tokens: by id the
+    drafter knows where each request ends and sends none of them (by content it cannot)."""
+    def past_the_end(ids: bool) -> int:
+        requests = _requests(seed=15, n=8)
+        SimRunner(_drafter(8, FULL), max_num_reqs=4, ids=ids).run(requests)
+        at = [np.cumsum([1] + r.emitted) for r in requests]     # tokens out before each step
+        return sum(max(0, len(d) - max(len(r.truth) - a - 1, 0)) for r, o in zip(requests, at)
+                   for d, a in zip(r.drafts, o))
+
+    assert past_the_end(ids=False) > 0                          # guard: the last drafts would run past
+    assert past_the_end(ids=True) == 0

@@ -27,8 +27,8 @@ What it reproduces of vLLM (read from vllm/v1/worker/gpu_input_batch.py and gpu_
   decode steps on its own step cost (benchmarks/vllm/modelled.py);
 * with `ids=True`, what the runner shows a drafter that found it (vLLM 0.32/0.33): `input_batch.req_ids` (the
   request id of each row) and `requests` (id -> state with `num_prompt_tokens` and `sampling_params`: temperature,
-  extra_args), a request leaving `requests` when it finishes (preempted and unscheduled ones stay); the runner
-  calls the drafter's `load_model` as vLLM's does.
+  max_tokens, extra_args), a request leaving `requests` when it finishes (preempted and unscheduled ones stay);
+  the runner calls the drafter's `load_model` as vLLM's does.
 Used by tests/test_vllm.py and the vLLM benchmarks; no vLLM needed.
 """
 
@@ -104,7 +104,7 @@ class SimRunner:
             req.id = req.id if req.id is not None else f"req-{self.joined}"
             self.joined += 1
             self.requests[req.id] = SimpleNamespace(num_prompt_tokens=len(req.prompt), sampling_params=SimpleNamespace(
-                temperature=1.0 if self.p_off else 0.0, extra_args=req.extra_args))
+                temperature=1.0 if self.p_off else 0.0, max_tokens=len(req.truth), extra_args=req.extra_args))
         row = np.concatenate([req.prompt, np.asarray(req.out, np.int32)])
         self.token_ids_cpu[i, : len(row)] = row
         self.num_tokens_no_spec[i] = len(row)

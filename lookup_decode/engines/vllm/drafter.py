@@ -366,7 +366,8 @@ class LookupDrafter:
             self._store_finished(matrix, rows[placed], claim.slots[placed], counts[rows][placed], runner is None)
         rows, slots = rows[placed], claim.slots[placed]
         ends = counts[rows]
-        limits = np.minimum(self.requests.limit[slots], self.k)
+        # A step emits its kept drafts and one more token: no draft goes past where the row ends.
+        limits = np.minimum(np.minimum(self.requests.limit[slots], self.k), self.requests.end[slots] - ends - 1)
         if self.max_model_len is not None:
             limits = np.minimum(limits, self.max_model_len - ends - 1)
         corpora, row_corpora = self._corpora_of(slots)
@@ -425,9 +426,14 @@ class LookupDrafter:
         return claim
 
     def _start_request(self, s: int, request_id: str, params) -> None:
-        """Slot s now holds request `request_id`: its temperature, its own k, its scope's memory, its prediction."""
+        """Slot s now holds request `request_id`: its temperature, where it ends, its own k, its scope's memory, its
+        prediction."""
         self._own.pop(s, None)                      # (a slot freed without `_drop` may have held one)
         self.requests.temperature[s] = float(getattr(params, "temperature", 0.0) or 0.0)
+        # Drafts past max_tokens would be verified and then dropped from the output: none are sent.
+        max_tokens, prompt = getattr(params, "max_tokens", None), int(self.requests.prompt_len[s])
+        if isinstance(max_tokens, int) and prompt >= 0:
+            self.requests.end[s] = prompt + max_tokens
         self._req_stats[s] = self.stats.request(request_id) or self.stats._new_request(request_id)
         extra = getattr(params, "extra_args", None)
         try:

@@ -13,8 +13,8 @@
 `parse` is the one reading of these keys: the drafter calls it when a request arrives (a bad value is logged once
 and that setting ignored: vLLM gives a drafter no way to fail one request), and `request_check.RequestCheck`
 calls it when vLLM admits the request, so that a bad value fails that request with an error naming the key
-(`LLM.generate` raises ValueError, the server answers 400). Other keys of extra_args are not ours and are left
-alone; an unknown key with our prefix is an error (a misspelt setting must not pass silently).
+(`LLM.generate` raises vLLM's VLLMValidationError, the server answers 400). Other keys of extra_args are not
+ours and are left alone; an unknown key with our prefix is an error (a misspelt setting must not pass silently).
 """
 
 from __future__ import annotations

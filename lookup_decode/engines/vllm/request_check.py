@@ -1,6 +1,6 @@
 """RequestCheck: vLLM's admission check of a request's lookup_decode settings (`request_args.parse`), so that a bad
-value fails that request (`LLM.generate` raises ValueError naming the key; the OpenAI server answers 400) instead
-of being logged and ignored by the drafter.
+value fails that request (`LLM.generate` raises vLLM's VLLMValidationError naming the key, into which vLLM turns
+the check's ValueError; the OpenAI server answers 400) instead of being logged and ignored by the drafter.
 
 vLLM validates every request against the `validate_params` of each logits processor it knows, and refuses
 user-named logits processors when speculative decoding is on; installed plugins (the `vllm.logits_processors` entry

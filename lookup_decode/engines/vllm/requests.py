@@ -105,6 +105,7 @@ class RequestTable:
         self.stored = np.full(n, -1, np.int64)  # the slot's length when its output was last stored (-1: never)
         self.limit = np.full(n, NO_LIMIT, np.int64)     # its request's own most draft tokens per step
         self.temperature = np.zeros(n)                  # its request's sampling temperature (0: greedy or unknown)
+        self.end = np.full(n, NO_LIMIT, np.int64)       # the row length at which its request ends (max_tokens)
         self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
                                                 # replaces it: `Memory.store`)
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
@@ -127,6 +128,7 @@ class RequestTable:
             self.stored = np.concatenate([self.stored, np.full(n - len(self.stored), -1, np.int64)])
             self.limit = np.concatenate([self.limit, np.full(n - len(self.limit), NO_LIMIT, np.int64)])
             self.temperature = np.concatenate([self.temperature, np.zeros(n - len(self.temperature))])
+            self.end = np.concatenate([self.end, np.full(n - len(self.end), NO_LIMIT, np.int64)])
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -249,7 +251,7 @@ class RequestTable:
         self.keys.pop(s, None)
         self.prompt_len[s] = prompt
         self.last_seen[s] = call
-        self.limit[s], self.temperature[s] = NO_LIMIT, 0.0
+        self.limit[s], self.temperature[s], self.end[s] = NO_LIMIT, 0.0, NO_LIMIT
         return s
 
     def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:
