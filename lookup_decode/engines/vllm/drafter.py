@@ -354,7 +354,7 @@ class LookupDrafter:
             # A step right after the previous call: its time is that step's cost. It verified each row's token and
             # the draft it was sent (rows that finished before it are not here), beside the prompt chunks of rows
             # still prefilling (no token yet) and of rows whose prefill ended in it (fresh slots).
-            verified = len(rows) + int(self.requests.sent[claim.slots].sum())
+            verified = len(rows) + int(self.requests.sent[claim.slots[claim.slots >= 0]].sum())
             prefill = int(counts[emitted == 0].sum()) + int((counts[rows][claim.starts == 0] - 1).sum())
             if self._budget is not None:            # chunked: a step's chunks fill at most the budget
                 prefill = max(0, min(prefill, int(self._budget) - verified))
@@ -434,7 +434,7 @@ class LookupDrafter:
         max_tokens, prompt = getattr(params, "max_tokens", None), int(self.requests.prompt_len[s])
         if isinstance(max_tokens, int) and prompt >= 0:
             self.requests.end[s] = prompt + max_tokens
-        self._req_stats[s] = self.stats.request(request_id) or self.stats._new_request(request_id)
+        self._req_stats[s] = self.stats.requests.get(request_id) or self.stats._new_request(request_id)
         extra = getattr(params, "extra_args", None)
         try:
             args = parse(extra)

@@ -252,6 +252,7 @@ class RequestTable:
         self.prompt_len[s] = prompt
         self.last_seen[s] = call
         self.limit[s], self.temperature[s], self.end[s] = NO_LIMIT, 0.0, NO_LIMIT
+        self.sent[s] = 0                                # its row was sent no draft yet (not its last holder's)
         return s
 
     def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:
