@@ -17,17 +17,10 @@ offline reference.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 import vllm_support as vs
@@ -303,56 +296,8 @@ def test_request_check_is_installed_and_refuses_bad_values_naming_the_key(reques
 
 
 # -- the OpenAI server ------------------------------------------------------------------------------------------
-SERVER_START_S = 300
 EDITS = [(vs.edit_prompt(), 128, 0), (vs.edit_prompt("".join(vs.SHOP_LINES[:25]), "load", "read_items"), 96, 1),
          (vs.edit_prompt("".join(vs.SHOP_LINES[12:40]), "report", "summary"), 112, 3)]   # (text, max_tokens, mixed i)
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _server(log: Path, args: list[str], env: dict):
-    """A vLLM OpenAI server on a free localhost port (a new process group, SIGINT then SIGKILL at the end), as
-    test_vllm_serve.server starts it; yields its base URL."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vs.model_folder(), "--host",
-           "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-           "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0"] + args
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=vs.ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"no /health after {SERVER_START_S} s:\n{_tail(log)}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _tail(log: Path, n: int = 4000) -> str:
-    return log.read_bytes()[-n:].decode(errors="replace")
 
 
 def _complete(url: str, text: str, max_tokens: int, xargs: dict | None = None) -> dict:
@@ -389,7 +334,7 @@ def test_openai_server_per_request_settings(reference, tmp_path):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)                        # the server's own engine process
     args = ["--speculative-config", json.dumps(vs.LOOKUP_SPEC), "--per-request-spec-decode-metrics", "summary"]
     log = tmp_path / "server.log"
-    with _server(log, args, env) as url:
+    with vs.serve(log, args, env=env) as url:
         batch: dict[int, dict] = {}
 
         def send(i, edit_text, max_tokens, xargs):

