@@ -6,10 +6,10 @@ tokens than the row held before this step missed steps (a whole-batch skip, a pr
 tokens without learning from them; an id never seen gets a fresh slot, its prompt length the runner's.
 
 By content (`RequestTable.claim`), the fallback where it cannot: vLLM hands the drafter a token matrix, not request
-ids, and rows move (a finished request's row is filled
-with the last one; preempted and unscheduled requests leave and come back elsewhere). A live request is
-recognised by a fingerprint of its row (`fingerprints`: O(1) tokens per row) before this step's tokens, which
-must equal the fingerprint its slot was filed under after the previous call. What the fast path cannot place:
+ids, and rows move (a finished request's row is filled with the last one; preempted and unscheduled requests leave
+and come back elsewhere). A live request is recognised by a fingerprint of its row (`fingerprints`: O(1) tokens
+per row) before this step's tokens, which must equal the fingerprint its slot was filed under after the previous
+call. What the fast path cannot place:
 
 * a step the drafter did not see (vLLM skips the drafter for the whole batch when any row is within k tokens
   of max_model_len, and preemption can hide a request): a live slot whose text is a prefix of the row, a few
