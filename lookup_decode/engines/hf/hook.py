@@ -159,10 +159,11 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     drafters = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
                 for _ in range(rows)]
     # Session memory / reference documents (memory.py, sources.py), and each row's own prediction.
+    vocab = _vocab_size(model)
     sources = [call.sources + (((PREDICTION, p),) if p is not None else ())
-               for p in _predictions(call.prediction, rows, call.tokenizer, _vocab_size(model))]
-    return [with_sources(d, s, _vocab_size(model), min_match=options.min_match, max_match=options.max_match,
-                         eos_token_ids=eos) if s else d for d, s in zip(drafters, sources)]
+               for p in _predictions(call.prediction, rows, call.tokenizer, vocab)]
+    return [with_sources(d, s, vocab, min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
+            if s else d for d, s in zip(drafters, sources)]
 
 
 def _predictions(prediction, rows: int, tokenizer, vocab_size: int) -> list:
