@@ -216,6 +216,23 @@ def test_lookup_options_reach_the_drafter(tmp_path, plain):
     assert all(r["steps"] == r["new_tokens"] - 1 for r in records if "error" not in r)
 
 
+@needs_vllm
+def test_a_record_prediction_reaches_the_drafter(tmp_path, plain):
+    """A record's `prediction` (here the plain job's text) becomes its request's lookup_decode_prediction: the same
+    text as the plain job, in fewer steps than the same record without it (memory off: no record drafts from
+    another's output)."""
+    good = rows()
+    predicted = [{**r, "id": r["id"] + "-p", "prediction": plain[r["id"]]["text"]} for r in good]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in good + predicted))
+    run_command(command(inp, out, "--no-memory"))
+    by_id = {r["id"]: r for r in read_output(out)}
+    for r in good:
+        assert by_id[r["id"]]["text"] == by_id[r["id"] + "-p"]["text"] == plain[r["id"]]["text"], r["id"]
+    steps = sum(by_id[r["id"]]["steps"] for r in good)
+    assert sum(by_id[p["id"]]["steps"] for p in predicted) < steps / 1.3, by_id
+
+
 # ------------------------------------------------------------------------------- without vLLM
 
 
