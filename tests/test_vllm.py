@@ -10,7 +10,6 @@ cost model; its state must stay bounded and never orphaned; and it must never fa
 import importlib.util
 import logging
 import time
-import weakref
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -22,6 +21,7 @@ from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.engines.replay import replay
 from lookup_decode.engines.vllm import drafter as lv
+from lookup_decode.engines.vllm import keeper
 from lookup_decode.engines.vllm import settings as lvs
 from lookup_decode.sources.corpus import CorpusFileError
 from lookup_decode.sources.memory import Memory, References
@@ -138,9 +138,9 @@ def test_sent_lengths_are_the_best_for_the_learned_step_cost():
     sent = []
 
     class Watch(lv.LookupDrafter):
-        def _propose(self, *args):
-            out = super()._propose(*args)
-            sent.append((self.cost.token_cost, [len(d) for d in out]))
+        def _draft(self, *args):
+            out = super()._draft(*args)
+            sent.append((self.cost.token_cost, out.lengths.tolist()))
             return out
 
     requests = _requests(seed=2, n=16)
@@ -224,11 +224,11 @@ def test_an_exception_inside_propose_is_logged_once_and_serving_goes_on(caplog):
     class Faulty(lv.LookupDrafter):
         calls = 0
 
-        def _propose(self, *args):
+        def _draft(self, *args):
             Faulty.calls += 1
             if Faulty.calls in (3, 5):
                 raise RuntimeError("boom")
-            return super()._propose(*args)
+            return super()._draft(*args)
 
     drafter = Faulty.from_settings(lv.Settings(), 8, eos_token_ids=EOS)
     requests = _requests(seed=1, n=6)
@@ -311,7 +311,7 @@ def test_memory_is_saved_at_exit_with_the_live_requests(tmp_path):
     runner = SimRunner(drafter, max_num_reqs=2)
     runner.run(_requests(seed=12, n=2))
     assert drafter.live_requests > 0 and not path.exists()
-    lv._flush_at_exit(weakref.ref(drafter))
+    drafter.shutdown()
     assert Memory.load(path).n_tokens > 0 and drafter.live_requests == 0
 
 
@@ -350,9 +350,9 @@ def test_replicas_write_their_own_memory_files_and_one_tensor_rank_writes(clean_
     config = _vllm_config()
     config.parallel_config = SimpleNamespace(data_parallel_rank=1, data_parallel_size=2)
     clean_env.setenv("LOOKUP_DECODE_MEMORY_SAVE", str(tmp_path / "mem.npz"))
-    assert lv.LookupDrafter(config).memory_save == str(tmp_path / "mem-replica1.npz")
+    assert lv.LookupDrafter(config).keeper.memory_save == str(tmp_path / "mem-replica1.npz")
     clean_env.setenv("LOOKUP_DECODE_MEMORY_SAVE", str(tmp_path / "m{replica}.npz"))
-    assert lv.LookupDrafter(config).memory_save == str(tmp_path / "m1.npz")
+    assert lv.LookupDrafter(config).keeper.memory_save == str(tmp_path / "m1.npz")
     assert lvs.replica_path("a.npz", 0, 1) == "a.npz"
     # Every replica's files load with one pattern.
     for i in range(2):
@@ -555,13 +555,14 @@ def test_draft_cost_default_is_the_devices_prior():
 
 def test_the_keeper_writes_memory_save_within_save_seconds_with_no_further_call(tmp_path, monkeypatch, caplog):
     """A server whose last request finished at max_tokens makes no further call: after IDLE_SECONDS the keeper
-    stores the requests still known, and writes memory_save; the save logs the drafter's stats."""
-    monkeypatch.setattr(lv, "IDLE_SECONDS", 0.2)
+    stores the requests still known, and writes memory_save; the save is logged at DEBUG only (the INFO log
+    stays quiet while serving)."""
+    monkeypatch.setattr(keeper, "IDLE_SECONDS", 0.2)
     path = tmp_path / "m.npz"
     drafter = _drafter(4, lv.Settings(memory_save=str(path), save_seconds=0.2))
     tokens = np.zeros((1, 64), np.int32)
     tokens[0, :10] = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
-    with caplog.at_level(logging.INFO, logger="lookup_decode.vllm"):
+    with caplog.at_level(logging.DEBUG, logger="lookup_decode.vllm"):
         drafter.propose([[4]], np.array([10]), tokens)
         tokens[0, 10] = 5
         drafter.propose([[5]], np.array([11]), tokens)
@@ -572,11 +573,12 @@ def test_the_keeper_writes_memory_save_within_save_seconds_with_no_further_call(
         time.sleep(0.1)                             # the log line follows the write
     assert [e.tokens.tolist() for e in Memory.load(path).entries()] == [[4, 5]]
     assert drafter.stats.saves >= 1 and drafter.live_requests == 1      # stored, still known
-    assert any("memory saved to" in r.message and "by source" in r.message for r in caplog.records)
+    assert any("memory saved to" in r.message and r.levelno == logging.DEBUG for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
 
 
 def test_a_failing_save_is_logged_and_never_raised(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(lv, "IDLE_SECONDS", 0.1)
+    monkeypatch.setattr(keeper, "IDLE_SECONDS", 0.1)
     drafter = _drafter(4, lv.Settings(memory_save=str(tmp_path / "no" / "such" / "dir.npz"), save_seconds=0.1,
                                       save_every=10**6))
     requests = _requests(seed=14, n=4)
@@ -587,7 +589,7 @@ def test_a_failing_save_is_logged_and_never_raised(tmp_path, monkeypatch, caplog
                 break
             time.sleep(0.1)
     assert any("saving the memory failed" in r.message for r in caplog.records)
-    assert drafter.stats.errors == 0 and drafter.stats.accepted > 0 and drafter._keeper.is_alive()
+    assert drafter.stats.errors == 0 and drafter.stats.accepted > 0 and drafter.keeper.thread.is_alive()
 
 
 def test_calibration_counts_the_tokens_sent_and_what_was_kept_of_them():

@@ -102,7 +102,7 @@ def test_a_prediction_drafts_for_its_own_request_alone_and_is_freed_with_it():
     assert theirs.sources["prediction"] == 0
     assert len(with_it.emitted) * 3 < len(without.emitted)   # far fewer steps for the same tokens
     assert with_it.out == with_it.truth.tolist()
-    assert drafter._own == {}                               # freed when its request ended
+    assert drafter.records == {}                            # freed when its request ended
 
 
 def test_a_text_prediction_is_tokenized_with_the_engine_tokenizer():

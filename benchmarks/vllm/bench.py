@@ -275,7 +275,7 @@ def bench_replicas(workloads, limit: int, k: int, replicas: int = 4, seed: int =
                         drafter.flush()            # outputs into the memory (and its file, when shared)
                     if mode == "shared":
                         for drafter in drafters:
-                            drafter.reload_memory()
+                            drafter.keeper.reload()
                 result[mode] = {g: {"requests": len(reqs),
                                     "tokens_per_step": (sum(sum(r.emitted) for r in reqs)
                                                         / sum(len(r.emitted) for r in reqs))}

@@ -42,6 +42,17 @@ _HEAD, _TAIL, _SPREAD = 8, 16, 8
 _MULT = np.random.default_rng(20250514).integers(1, 2**63, size=_HEAD + _TAIL + _SPREAD + 1, dtype=np.uint64) | 1
 DROPPED_KEPT = 4096                # dropped requests remembered for their prompt lengths
 NO_LIMIT = 2**31                   # a request that set no draft length of its own
+# The per-slot arrays of a RequestTable: (dtype, the value a slot's entry starts from).
+_SLOT_ARRAYS = {
+    "fp": (np.uint64, 0),              # the fingerprint each slot is filed under
+    "last_seen": (np.int64, 0),        # the call that last saw it
+    "prompt_len": (np.int64, -1),      # its request's prompt length (-1: unknown)
+    "sent": (np.int64, 0),             # draft tokens sent to the slot's row at its last call
+    "stored": (np.int64, -1),          # the slot's length when its output was last stored (-1: never)
+    "limit": (np.int64, NO_LIMIT),     # its request's own most draft tokens per step
+    "temperature": (np.float64, 0.0),  # its request's sampling temperature (0: greedy or unknown)
+    "end": (np.int64, NO_LIMIT),       # the row length at which its request ends (max_tokens)
+}
 
 
 @njit(cache=True, nogil=True)
@@ -97,15 +108,8 @@ class RequestTable:
         self.table: dict[int, int] = {}         # fingerprint -> slot
         self.twins: dict[int, list[int]] = {}   # more slots under one fingerprint (requests with equal rows)
         self.live: set[int] = set()
-        n = 64
-        self.fp = np.zeros(n, np.uint64)        # the fingerprint each slot is filed under
-        self.last_seen = np.zeros(n, np.int64)  # the call that last saw it
-        self.prompt_len = np.full(n, -1, np.int64)
-        self.sent = np.zeros(n, np.int64)       # draft tokens sent to the slot's row at its last call
-        self.stored = np.full(n, -1, np.int64)  # the slot's length when its output was last stored (-1: never)
-        self.limit = np.full(n, NO_LIMIT, np.int64)     # its request's own most draft tokens per step
-        self.temperature = np.zeros(n)                  # its request's sampling temperature (0: greedy or unknown)
-        self.end = np.full(n, NO_LIMIT, np.int64)       # the row length at which its request ends (max_tokens)
+        for name, (dtype, fill) in _SLOT_ARRAYS.items():
+            setattr(self, name, np.full(64, fill, dtype))
         self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
                                                 # replaces it: `Memory.store`)
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
@@ -121,14 +125,13 @@ class RequestTable:
     def _room(self, s: int) -> None:
         if s >= len(self.fp):
             n = 2 * max(s + 1, len(self.fp))
-            self.fp = np.concatenate([self.fp, np.zeros(n - len(self.fp), np.uint64)])
-            self.last_seen = np.concatenate([self.last_seen, np.zeros(n - len(self.last_seen), np.int64)])
-            self.prompt_len = np.concatenate([self.prompt_len, np.full(n - len(self.prompt_len), -1, np.int64)])
-            self.sent = np.concatenate([self.sent, np.zeros(n - len(self.sent), np.int64)])
-            self.stored = np.concatenate([self.stored, np.full(n - len(self.stored), -1, np.int64)])
-            self.limit = np.concatenate([self.limit, np.full(n - len(self.limit), NO_LIMIT, np.int64)])
-            self.temperature = np.concatenate([self.temperature, np.zeros(n - len(self.temperature))])
-            self.end = np.concatenate([self.end, np.full(n - len(self.end), NO_LIMIT, np.int64)])
+            for name, (dtype, fill) in _SLOT_ARRAYS.items():
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.full(n - len(a), fill, dtype)]))
+
+    def set_request(self, s: int, k: int, temperature: float, end: int) -> None:
+        """Slot s's request's own draft length, temperature and end (its row length at max_tokens)."""
+        self.limit[s], self.temperature[s], self.end[s] = k, temperature, end
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -247,12 +250,10 @@ class RequestTable:
         s = self.pool.add(n_tokens)
         self._room(s)
         self.live.add(s)
-        self.stored[s] = -1
+        for name, (_, fill) in _SLOT_ARRAYS.items():    # nothing of the slot's last holder stays
+            getattr(self, name)[s] = fill
         self.keys.pop(s, None)
-        self.prompt_len[s] = prompt
-        self.last_seen[s] = call
-        self.limit[s], self.temperature[s], self.end[s] = NO_LIMIT, 0.0, NO_LIMIT
-        self.sent[s] = 0                                # its row was sent no draft yet (not its last holder's)
+        self.prompt_len[s], self.last_seen[s] = prompt, call
         return s
 
     def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:

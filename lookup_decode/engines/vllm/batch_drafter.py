@@ -1,0 +1,466 @@
+"""The engine-neutral half of the vLLM drafter: drafts for every row of a batch given as plain arrays (a token
+matrix, counts, tokens emitted per row) and, where the engine tells them, request ids.
+
+One call (`BatchDrafter.draft`) does, for all rows at once:
+1. find each row's request (`requests.RequestTable`: by id when the engine gives ids, else by content);
+2. learn the step's cost from the time since the last call (`StepCost.observe`), and keep the per-request indexes
+   within `max_index_bytes` (`_evict_idle`: requests not in this call go first, least recently seen first);
+3. store the outputs of the requests that finished (`keeper.Keeper.remember`): a row whose last token is EOS or
+   that reached its request's end, in this very call; a request the engine no longer holds (ids), or a known one
+   absent from the call (content), before this call drafts, so the other rows draft from it at once. When no
+   request seen is left unstored, the keeper writes `memory_save` at once (a server stopped right after its last
+   answer keeps every output);
+4. in one compiled call (`core.pool.IndexPool.step`): learn from what the engine kept of each row's last draft,
+   extend its index by the new tokens, draft from the request itself and the shared corpora (memory, references,
+   the request's prediction: the longest match wins), and price each draft token by its probability of being kept;
+5. choose how many tokens of each draft to send (`StepCost.choose`; `adaptive=False`: all of them);
+6. retire requests absent for `idle_steps` calls.
+
+Each request's own settings are one `Request` record, made by `_start` from what the engine tells of it
+(`RequestInfo`): a new per-request knob is a field of `Request`, the line of `_start` that reads it, and its use.
+A failure never stops the engine: a call that raises is logged once, drafts nothing, and the drafter starts afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lookup_decode.core.index import SuffixIndex
+from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.step_cost import StepCost
+from lookup_decode.engines.vllm import request_args
+from lookup_decode.engines.vllm.keeper import Keeper
+from lookup_decode.engines.vllm.requests import NO_LIMIT, RequestTable
+from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path
+from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats, RequestStats
+from lookup_decode.sources.memory import Memory, References, load_references, prediction_of
+
+log = logging.getLogger("lookup_decode.vllm")
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the engine tells of a request when it starts (None: not told)."""
+    prompt_len: int = -1               # its prompt's tokens (-1: unknown)
+    temperature: float = 0.0           # its sampling temperature (0: greedy)
+    max_tokens: int | None = None      # its most output tokens
+    extra_args: dict | None = None     # its per-request settings (`request_args`)
+
+
+@dataclass
+class EngineRequests:
+    """The engine's requests, for a call whose rows it names: `ids[i]` is row i's request id (None: unknown),
+    `held` holds the ids of the requests the engine still has (a finished one is absent, a preempted one not),
+    `info(id)` tells a new request's `RequestInfo`."""
+    ids: list
+    held: Container
+    info: Callable[[str], RequestInfo]
+
+
+@dataclass
+class Request:
+    """One request's own settings, made from its `RequestInfo` by `BatchDrafter._start`."""
+    id: str
+    stats: RequestStats                # its counters (in DrafterStats.requests)
+    k: int = NO_LIMIT                  # its most draft tokens per step (lookup_decode_k)
+    temperature: float = 0.0           # its sampling temperature (acceptance cells per temperature)
+    end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
+    memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
+    prediction: References | None = None   # its own corpus (lookup_decode_prediction)
+    own: bool = False                  # memory or prediction differ from the drafter's defaults
+
+
+@dataclass
+class Drafts:
+    """One call's drafts: row rows[j] is sent tokens[j, :lengths[j]]."""
+    rows: np.ndarray                   # int64 [r]
+    lengths: np.ndarray                # int64 [r]
+    tokens: np.ndarray                 # int32 [r, k]
+
+
+class BatchDrafter:
+    """Drafts for a batch of rows, keeping each request's index, the memory of outputs and the step cost."""
+
+    def __init__(self, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
+                 vocab_size: int | None = None, eos_token_ids=(), memory: Memory | None = None,
+                 references: References | None = None, tokenizer=None, tokenizer_name: str | None = None,
+                 saves: bool = True, replica: tuple[int, int] = (0, 1), device: str = "cpu"):
+        k = num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an int >= 1 for lookup_decode's drafter, got {k!r}")
+        self.settings = settings
+        self.k = min(int(k), settings.k) if settings.k is not None else int(k)
+        if self.k < 1:
+            raise ValueError(f"{ENV_PREFIX}K must be >= 1, got {settings.k}")
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.eos = tuple(int(e) for e in eos_token_ids)
+        self.tokenizer, self.tokenizer_name = tokenizer, tokenizer_name
+        self.stats = DrafterStats()
+        # Tensor-parallel ranks hold the same memory: one writes it. Data-parallel replicas write their own files.
+        self.keeper = Keeper(settings, self.stats, vocab_size=vocab_size, memory=memory, saves=saves,
+                             memory_save=replica_path(settings.memory_save, *replica), on_idle=self.store_known,
+                             on_exit=self.shutdown)
+        self.memory, self.scopes = self.keeper.memory, self.keeper.scopes
+        self.references = references if references is not None else self._load_references()
+        for corpus in (self.memory, self.references):   # a foreign memory file fails here, not while serving
+            if corpus is not None and vocab_size is not None:
+                corpus.check_vocab(vocab_size, "the engine's model")
+        self.cost = StepCost.for_device(device, prior_token_cost=settings.draft_cost)
+        self.budget: int | None = None              # the engine's token budget per step (chunked prefill)
+        self._retire_every = max(1, settings.idle_steps // 4)
+        self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
+        self._logged = self._shut = False
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """No request known (at start, and after a failed call: the table may be half updated)."""
+        self.pool = IndexPool(self.k, min_match=self.settings.min_match, max_match=self.settings.max_match,
+                              eos_token_ids=self.eos)
+        # A step the drafter missed added one token per row (vLLM then schedules zeros as drafts, rarely kept);
+        # a few such steps in a row are followed, anything longer is another request.
+        self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
+        self.records: dict[int, Request] = {}      # slot -> its request's record (requests followed by id)
+        self._own: set[int] = set()                 # slots whose record has its own memory or prediction
+        self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
+        self._call = 0
+        self._last = None                           # when the last call started
+
+    # -- one call -------------------------------------------------------------------------------------
+    def draft(self, matrix: np.ndarray, counts: np.ndarray, emitted: np.ndarray,
+              engine: EngineRequests | None = None) -> Drafts:
+        """Drafts for the rows of a batch. matrix: int32 [>= B, L], row i's tokens in its first counts[i] columns
+        (this step's tokens written in); counts, emitted: int [B], tokens per row and of those emitted this step
+        (0: no draft wanted, e.g. a partial prefill); engine: the rows' request ids, or None (followed by content)."""
+        with self.keeper.lock:
+            start, t = self.clock(), time.perf_counter()
+            try:
+                return self._draft(matrix, counts, emitted, engine, start)
+            except Exception:                       # noqa: BLE001  (a drafter failure must never stop the engine)
+                self.stats.errors += 1
+                if not self._logged:
+                    log.exception("lookup_decode: the drafter failed; this step drafts nothing and the drafter "
+                                  "starts afresh (later failures are only counted: drafter.stats.errors)")
+                    self._logged = True
+                self._fresh()
+                return Drafts(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, self.k), np.int32))
+            finally:
+                took, s = time.perf_counter() - t, self.stats
+                s.propose_s += took
+                if s.steps <= 1:
+                    s.first_propose_s = took
+                elif took > s.propose_max_s:
+                    s.propose_max_s = took
+                self.keeper.called()
+
+    def _draft(self, matrix, counts, emitted, engine: EngineRequests | None, now: float) -> Drafts:
+        self._call += 1
+        self.stats.steps += 1
+        rows = np.flatnonzero(emitted > 0)
+        if self.max_model_len is not None:
+            rows = rows[counts[rows] < self.max_model_len]
+        r_counts, r_emitted, table = counts[rows], emitted[rows], self.requests
+        if engine is None:
+            claim = table.claim(matrix, rows, r_counts, r_emitted, self._call, self._admit)
+        else:
+            claim = self._claim_ids(engine, rows, r_counts, r_emitted)
+        if self._last is not None and claim.continued == 0 and len(rows):
+            # A step right after the previous call: its time is that step's cost. It verified each row's token and
+            # the draft it was sent, beside the prompt chunks of rows still prefilling (no token yet) and of rows
+            # whose prefill ended in it (fresh slots).
+            verified = len(rows) + int(table.sent[claim.slots[claim.slots >= 0]].sum())
+            prefill = int(counts[emitted == 0].sum()) + int((r_counts[claim.starts == 0] - 1).sum())
+            if self.budget is not None:             # chunked: a step's chunks fill at most the budget
+                prefill = max(0, min(prefill, int(self.budget) - verified))
+            self.cost.observe(verified, now - self._last, prefill_tokens=prefill)
+        placed = self._within_bound(claim, r_counts)
+        if engine is not None and table.id_of:      # requests the engine no longer holds have finished
+            for s in [s for s, rid in table.id_of.items() if rid not in engine.held]:
+                self._drop(s, "retired")
+        rows, slots, ends = rows[placed], claim.slots[placed], r_counts[placed]
+        if self.memory is not None:
+            self._store_finished(matrix, rows, slots, ends, absent=engine is None)
+        # A step emits its kept drafts and one more token: no draft goes past where the row ends.
+        limits = np.minimum(np.minimum(table.limit[slots], self.k), table.end[slots] - ends - 1)
+        if self.max_model_len is not None:
+            limits = np.minimum(limits, self.max_model_len - ends - 1)
+        corpora, row_corpora = self._corpora_of(slots)
+        with contextlib.ExitStack() as held:        # the corpora stay unchanged while the pool reads them
+            step = self.pool.step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0),
+                                  claim.learn[placed], [held.enter_context(c.reading()) for c in corpora],
+                                  temperatures=table.temperature[slots], row_corpora=row_corpora)
+        if engine is None:
+            table.file(matrix, rows, slots, ends, self._call)
+        self._learned(step, slots)
+        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
+        s = self.stats
+        s.rows += len(rows)
+        s.drafted += int(lengths.sum())
+        for name in ("built", "continued", "resumed", "rebuilt"):
+            setattr(s, name, getattr(s, name) + getattr(claim, name))
+        s.extended += len(rows) - claim.built - claim.continued
+        s.refused += int((claim.slots < 0).sum())
+        if self.records:
+            for slot, n in zip(slots[lengths > 0].tolist(), lengths[lengths > 0].tolist()):
+                if slot in self.records:
+                    self.records[slot].stats.drafted += n
+        table.sent[slots] = lengths
+        if len(self._p_sent) < self.pool.slots:
+            self._p_sent = np.concatenate([self._p_sent, np.zeros((self.pool.slots + 64 - len(self._p_sent), self.k))])
+        self._p_sent[slots] = step.p_kept
+        self._last = now
+        if self._call % self._retire_every == 0:     # a bounded delay; the scan over live requests is O(requests)
+            for slot in table.idle(self._call - self.settings.idle_steps):
+                if engine is None or table.id_of.get(slot) not in engine.held:
+                    self._drop(slot, "retired")
+        if self.settings.reload_every and self._call % self.settings.reload_every == 0:
+            self.keeper.reload()
+        return Drafts(rows, lengths, step.tokens)
+
+    def _learned(self, step, slots: np.ndarray) -> None:
+        """What the engine kept of the last drafts: statistics, calibration, and credit to the corpus entries
+        drafted from."""
+        learned = step.kept >= 0
+        if learned.any():               # of the tokens sent last call, priced at _p_sent: the prefix kept
+            sl = slots[learned]
+            sent = self.requests.sent[sl]
+            self.stats.reliability.observe_rows(self._p_sent[sl], sent, np.minimum(step.kept[learned], sent))
+        kept = np.maximum(step.kept, 0)
+        total = int(kept.sum())
+        if not total:
+            return
+        self.stats.accepted += total
+        for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(SOURCES))):
+            if n:
+                self.stats.sources[SOURCES[src]] += int(n)
+        # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
+        # engine's next token happened to equal the proposal's next one).
+        kept_sent = np.minimum(kept, self.requests.sent[slots])
+        for i in np.flatnonzero(kept > 0).tolist():
+            s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
+            record = self.records.get(s)
+            if record is not None and kept_sent[i]:
+                record.stats.accepted += int(kept_sent[i])
+                record.stats.sources[SOURCES[src]] += int(kept_sent[i])
+            if src > 0:
+                self._roles(s)[src - 1].credit(version, position, int(kept[i]))
+
+    # -- requests: ids, records, corpora --------------------------------------------------------------
+    def _claim_ids(self, engine: EngineRequests, rows, counts, emitted):
+        """`RequestTable.claim_ids` with the engine's request ids; each new request gets its record."""
+        ids, known = engine.ids, self.requests.ids
+        ids = [ids[i] for i in rows.tolist()]
+        infos = {rid: engine.info(rid) for rid in ids if rid is not None and rid not in known}
+        prompts = np.fromiter((infos[rid].prompt_len if rid in infos else -1 for rid in ids), np.int64, len(ids))
+        claim = self.requests.claim_ids(rows, counts, emitted, ids, prompts, self._call, self._admit)
+        for j in claim.fresh:
+            self._start(int(claim.slots[j]), ids[j], infos[ids[j]])
+        return claim
+
+    def _start(self, s: int, request_id: str, info: RequestInfo) -> None:
+        """Slot s now holds request `request_id`: its record, from what the engine told of it."""
+        record = self.records[s] = Request(request_id, self.stats.of_request(request_id), memory=self.memory)
+        record.temperature = float(info.temperature or 0.0)
+        prompt = int(self.requests.prompt_len[s])
+        if isinstance(info.max_tokens, int) and prompt >= 0:   # drafts past max_tokens would be dropped
+            record.end = prompt + info.max_tokens
+        try:
+            args = request_args.parse(info.extra_args)
+        except ValueError as e:
+            self.stats.ignored += 1
+            log.warning("lookup_decode: request %s: %s; its lookup_decode settings are ignored (install "
+                        "lookup_decode in the server's environment and vLLM refuses such a request instead)",
+                        request_id, e)
+            # A scope that cannot be read must not fall back to the shared memory: no memory for this request.
+            if isinstance(info.extra_args, dict) and request_args.SCOPE in info.extra_args:
+                record.memory = None
+            args = request_args.RequestArgs()
+        if args.k is not None:
+            record.k = args.k
+        if args.scope is not None:
+            record.memory = self.keeper.scope(args.scope, {id(self.records[o].memory) for o in self._own})
+        if args.prediction is not None:
+            record.prediction = self._prediction(request_id, args.prediction)
+        record.own = record.memory is not self.memory or record.prediction is not None
+        if record.own:
+            self._own.add(s)
+        self.requests.set_request(s, record.k, record.temperature, record.end)
+
+    def _prediction(self, request_id: str, prediction) -> References | None:
+        """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
+        try:
+            tokenizer = self._tokenizer() if isinstance(prediction, str) else None
+            return prediction_of(prediction, tokenizer=tokenizer, vocab_size=self.vocab_size)
+        except (ValueError, TypeError, OSError) as e:
+            self.stats.ignored += 1
+            log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
+                        request_args.PREDICTION, e)
+            return None
+
+    def _tokenizer(self):
+        """The engine's tokenizer (loaded once, on the first text that needs it)."""
+        if self.tokenizer is None:
+            if self.tokenizer_name is None:
+                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
+                                 "token ids)")
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
+        return self.tokenizer
+
+    def _load_references(self) -> References | None:
+        path = self.settings.references
+        if not path:
+            return None
+        # Text files are tokenized with the engine's tokenizer.
+        tokenizer = self._tokenizer() if Path(path).suffix != ".npz" and self.tokenizer_name is not None \
+            else self.tokenizer
+        try:
+            return load_references(path, tokenizer=tokenizer, vocab_size=self.vocab_size)
+        except (FileNotFoundError, ValueError) as e:
+            raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
+
+    def _roles(self, s: int) -> tuple:
+        """The corpora slot s drafts from, by the pool's roles: (memory, references, prediction), None where none."""
+        record = self.records.get(s) if s in self._own else None
+        if record is None:
+            return self.memory, self.references, None
+        return record.memory, self.references, record.prediction
+
+    def _corpora_of(self, slots: np.ndarray) -> tuple[list, np.ndarray]:
+        """The distinct corpora of these slots and, per slot, the index of each of its roles' corpus (-1: none)."""
+        corpora, where = [], {}
+        rows = np.full((len(slots), 3), -1, np.int64)
+        for c, corpus in enumerate(self._roles(-1)):
+            if corpus is not None:
+                where[id(corpus)] = len(corpora)
+                corpora.append(corpus)
+                rows[:, c] = where[id(corpus)]
+        for j in [j for j, s in enumerate(slots.tolist()) if s in self._own] if self._own else ():
+            for c, corpus in enumerate(self._roles(int(slots[j]))):
+                if corpus is not None and id(corpus) not in where:
+                    where[id(corpus)] = len(corpora)
+                    corpora.append(corpus)
+                rows[j, c] = -1 if corpus is None else where[id(corpus)]
+        return corpora, rows
+
+    # -- the byte bound and requests leaving ----------------------------------------------------------
+    def _evict_idle(self, fits: Callable[[], bool]) -> bool:
+        """Drop requests not seen in this call, least recently seen first, until fits(); returns fits()."""
+        if fits():
+            return True
+        for s in self.requests.idle(self._call - 1):
+            if fits():
+                return True
+            self._drop(s, "evicted")
+        return fits()
+
+    def _admit(self, n_tokens: int) -> bool:
+        """Whether a new index over n_tokens fits the byte bound (evicting requests not seen in this call)."""
+        need, bound = SuffixIndex.bytes_for(n_tokens), self.settings.max_index_bytes
+        return self._evict_idle(lambda: self.pool.bytes + need <= bound)
+
+    def _within_bound(self, claim, counts: np.ndarray) -> np.ndarray:
+        """bool [r]: the rows whose index may take this call's tokens. Past the byte bound the requests not seen in
+        this call go first; if that is not enough, the growing requests themselves are dropped (the largest growth
+        first): their rows draft nothing until an index fits again."""
+        placed = claim.slots >= 0
+        growth = np.zeros(len(placed), np.int64)
+        growth[placed] = self.pool.growth(claim.slots[placed], counts[placed] - claim.starts[placed])
+        bound = self.settings.max_index_bytes
+        if self._evict_idle(lambda: self.pool.bytes + int(growth.sum()) <= bound):
+            return placed
+        for j in np.argsort(-growth, kind="stable"):
+            if growth[j] == 0 or self.pool.bytes + growth.sum() <= bound:
+                break
+            self._drop(int(claim.slots[j]), "evicted")
+            placed[j], growth[j] = False, 0
+        return placed
+
+    def _drop(self, s: int, counter: str) -> None:
+        self._store_slot(s)                         # normally stored already, when the request finished
+        self.requests.drop(s)
+        self.records.pop(s, None)                   # its prediction is freed with it
+        self._own.discard(s)
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+    # -- the memory of outputs ------------------------------------------------------------------------
+    def _store_finished(self, matrix, rows, slots, counts, absent: bool) -> None:
+        """Store the outputs of the requests that finished, before this call drafts: rows whose last token is EOS
+        or that reached their request's end (their text is the row), and (absent: rows followed by content, where
+        a finished request and one away from the batch look alike) known requests absent from this call. Then,
+        if no request seen is left unstored, the keeper writes memory_save at once."""
+        table = self.requests
+        ended = counts >= table.end[slots]
+        if len(self.eos) and len(rows):
+            ended |= np.isin(matrix[rows, counts - 1], self.eos)
+        for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
+            self._store(s, matrix[row, :n])
+        if absent:
+            live = np.fromiter(table.live, np.int64, count=len(table.live))
+            gone = live[table.last_seen[live] < self._call]
+            for s in gone[self.pool.length(gone) > table.stored[gone]].tolist():
+                self._store_slot(s)
+        if self.keeper.unsaved and (ended.all() or not len(rows)):
+            live = np.fromiter(table.live, np.int64, count=len(table.live))
+            if not (self.pool.length(live) > table.stored[live]).any():
+                self.keeper.write_soon()
+
+    def _store_slot(self, s: int) -> None:
+        if self._roles(s)[0] is not None and int(self.pool.length([s])[0]) > self.requests.stored[s]:
+            self._store(s, self.pool.tokens(s))
+
+    def _store(self, s: int, tokens: np.ndarray) -> None:
+        """Store request s's output (tokens: its whole text, prompt first) into its scope's memory, replacing what it
+        stored before."""
+        table = self.requests
+        prompt = int(table.prompt_len[s])
+        table.stored[s] = len(tokens)
+        memory = self._roles(s)[0]
+        if memory is None or prompt < 0 or len(tokens) <= prompt:
+            return                                  # an unknown prompt length could store prompt as output
+        key = self.keeper.remember(memory, tokens[:prompt], tokens[prompt:], table.keys.get(s))
+        if key is not None:
+            table.keys[s] = key
+
+    def store_known(self) -> None:
+        """Store the outputs of every request still known (the keeper's, once the engine is idle)."""
+        for s in sorted(self.requests.live):
+            self._store_slot(s)
+
+    def flush(self, everything: bool = False) -> None:
+        """Retire every request absent from the latest call (everything: every request) so that their outputs
+        enter the memory, then save the memory if `memory_save` is set. For benchmarks between turns, and (at
+        exit, `shutdown`) for the end."""
+        with self.keeper.lock:
+            for s in self.requests.idle(self._call if everything else self._call - 1):
+                self._drop(s, "retired")
+            if self.keeper.persists:
+                self.keeper.save()
+
+    def shutdown(self) -> None:
+        """At exit: store every live request's output, save the memory, log the summary (once)."""
+        if not self._shut:
+            self._shut = True
+            self.flush(everything=True)
+            log.info("lookup_decode: drafter summary: %s", self.stats.summary(calibration=False))
+
+    @property
+    def live_requests(self) -> int:
+        return len(self.requests.live)
+
+    @property
+    def retire_within(self) -> int:
+        """A request's state is dropped within this many calls of its last row (idle_steps + the retirement
+        scan's period)."""
+        return self.settings.idle_steps + self._retire_every
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes held by the per-request indexes now (bounded by max_index_bytes)."""
+        return self.pool.bytes
