@@ -23,6 +23,7 @@ from lookup_decode.engines.replay import replay
 from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.vllm import keeper
 from lookup_decode.engines.vllm import settings as lvs
+from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequests, RequestInfo
 from lookup_decode.sources.corpus import CorpusFileError
 from lookup_decode.sources.memory import Memory, References
 from lookup_decode.sources.proposer import SourcesProposer
@@ -608,3 +609,53 @@ def test_calibration_counts_the_tokens_sent_and_what_was_kept_of_them():
     assert 0 < sum(rel.tokens) <= st.drafted and 0 < sum(rel.kept) <= st.accepted
     assert st.propose_max_s >= st.propose_s / st.steps > 0
     assert "calibration (predicted->kept" in st.summary() and "worst" in st.summary().splitlines()[0]
+
+
+# -- the engine-neutral batch drafter, driven with plain arrays and ids --------------------------------------
+
+def _engine(held, prompt_len=6, max_tokens=4, extra=None):
+    extra = extra or {}
+    return EngineRequests(list(held), set(held), lambda rid: RequestInfo(prompt_len=prompt_len, max_tokens=max_tokens,
+                                                                           extra_args=extra.get(rid)))
+
+
+def test_batch_drafter_drafts_for_plain_arrays_and_request_ids():
+    """No vLLM and no runner: a token matrix, counts, tokens emitted and ids. Row 0 asks for no draft (a prefill),
+    rows 1 and 2 repeat their prompt; request "b" allows itself 2 draft tokens."""
+    drafter = BatchDrafter(lv.Settings(adaptive=False, memory=False), 4, eos_token_ids=EOS)
+    matrix = np.zeros((3, 32), np.int32)
+    matrix[:, :7] = [3, 4, 5, 6, 3, 4, 5]
+    counts, emitted = np.array([5, 7, 7]), np.array([0, 1, 1])
+    out = drafter.draft(matrix, counts, emitted, _engine(["p", "a", "b"], max_tokens=9,
+                                                         extra={"b": {"lookup_decode_k": 2}}))
+    assert out.rows.tolist() == [1, 2]
+    assert [out.tokens[j, :n].tolist() for j, n in enumerate(out.lengths)] == [[6, 3, 4, 5], [6, 3]]
+    assert drafter.stats.request("b").drafted == 2 and drafter.live_requests == 2
+    # "a" finished (the engine no longer holds it): gone at the next call; "b" is extended by its two kept tokens.
+    matrix[2, 7:10] = [6, 3, 9]
+    out = drafter.draft(matrix[2:], np.array([10]), np.array([3]), _engine(["b"]))
+    assert drafter.live_requests == 1 and drafter.stats.accepted == 2 and drafter.stats.request("b").accepted == 2
+    assert list(drafter.records.values())[0].id == "b"
+
+
+def test_outputs_are_saved_in_the_step_their_requests_finish(tmp_path, monkeypatch):
+    """A server stopped right after its last answers: the outputs enter the memory in the call where their rows
+    end (EOS, or prompt + max_tokens), and with the batch empty the keeper writes memory_save at once, not after
+    save_seconds or an idle wait."""
+    monkeypatch.setattr(keeper, "IDLE_SECONDS", 3600.0)
+    path = tmp_path / "m.npz"
+    drafter = BatchDrafter(lv.Settings(memory_save=str(path), save_seconds=3600), 4, eos_token_ids=EOS)
+    matrix = np.zeros((3, 32), np.int32)
+    matrix[:, :6] = [[3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10], [7, 8, 9, 10, 11, 3]]
+    matrix[:, 6] = [9, 11, 4]
+    ids = ["a", "b", "c"]
+    drafter.draft(matrix, np.array([7, 7, 7]), np.array([1, 1, 1]), _engine(ids, max_tokens=3))
+    matrix[:, 7:9] = [[10, 11], [12, 2], [5, 6]]      # "b" ends with EOS; "a" and "c" reach max_tokens
+    drafter.draft(matrix, np.array([9, 9, 9]), np.array([2, 2, 2]), _engine(ids, max_tokens=3))
+    for _ in range(100):
+        if path.is_file():
+            break
+        time.sleep(0.05)
+    saved = sorted(e.tokens.tolist() for e in Memory.load(path).entries())
+    assert saved == [[4, 5, 6], [9, 10, 11], [11, 12, 2]]
+    assert drafter.live_requests == 3               # stored while the engine still holds them
