@@ -1,4 +1,4 @@
-"""lookup_decode.vllm.LookupDrafter under a CPU simulation of vLLM's runner (benchmarks/vllm/runner.py); the real
+"""lookup_decode.vllm.LookupDrafter under a CPU simulation of vLLM's runner (tests/sim_runner.py); the real
 engine's tests are tests/test_vllm_engine.py (scripts/test_vllm.sh).
 
 The drafter's full proposals must be, row for row, those the transformers path makes for the same token stream
@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from benchmarks.vllm.runner import SimRequest, SimRunner
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.engines.replay import replay
@@ -27,6 +26,7 @@ from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequest
 from lookup_decode.sources.corpus import CorpusFileError
 from lookup_decode.sources.memory import Memory, References
 from lookup_decode.sources.proposer import SourcesProposer
+from tests.sim_runner import SimRequest, SimRunner
 
 EOS = (2,)
 

@@ -1,4 +1,4 @@
-"""Per-request control of the vLLM drafter, on the simulated runner (benchmarks/vllm/runner.py with ids=True shows
+"""Per-request control of the vLLM drafter, on the simulated runner (tests/sim_runner.py with ids=True shows
 the drafter what vLLM's runner does: request ids per row, each request's prompt length and sampling params):
 rows followed by id, `lookup_decode_k`, `lookup_decode_prediction`, `lookup_decode_scope`, per-request counters,
 and bad values. The real engine: tests/test_vllm_requests.py."""
@@ -8,11 +8,11 @@ import logging
 import numpy as np
 import pytest
 
-from benchmarks.vllm.runner import SimRequest, SimRunner
 from lookup_decode.core.draft import kept_prefix
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.vllm.request_args import RequestArgs, parse
+from tests.sim_runner import SimRequest, SimRunner
 from tests.test_vllm import EOS, FULL, _compare, _drafter, _requests
 
 

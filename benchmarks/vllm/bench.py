@@ -11,7 +11,7 @@ Every proposer runs behind the runner's `propose(sampled_token_ids, num_tokens_n
   row once) every step appends 2 tokens per row, then each proposer drafts for the whole batch;
   median seconds per step. vLLM's n-gram proposer is `benchmarks.harness.baselines.VllmNgramProposer` (its
   algorithm and defaults, prange over rows with vLLM's thread count).
-* replay: `benchmarks.vllm.runner.SimRunner` (a persistent batch of 16 rows, requests joining as rows
+* replay: `tests.sim_runner.SimRunner` (a persistent batch of 16 rows, requests joining as rows
   free up) with each set's real (prompt, output) pairs as the target: every step emits the accepted
   prefix of the draft plus the true next token. Tokens per step = tokens emitted per decode step, the
   bonus token included. SuffixDecoding is ArcticInference's own package (`arctic_inference`, its C++
@@ -38,10 +38,10 @@ import numpy as np
 
 from benchmarks.harness.baselines import VllmNgramProposer
 from benchmarks.harness.results import RESULTS, write_result
-from benchmarks.vllm.runner import SimRequest, SimRunner
 from lookup_decode.engines.vllm.drafter import LookupDrafter, Settings
 from lookup_decode.measure import environment
 from lookup_decode.sources.memory import Memory
+from tests.sim_runner import SimRequest, SimRunner
 
 MACHINE_NOTE = ("Taken on a shared, busy 2-core machine (3 other engineers' jobs running): absolute times are "
                 "noisy; the two proposers were timed alternately on the same batches.")

@@ -1,7 +1,7 @@
 """Modelled time of the engine study's recorded outputs, against the oracle-cut ceiling (no vLLM, no model).
 
 The real-engine study (benchmarks/vllm/engine.py) records every request's greedy output. Here those outputs are
-the target of `benchmarks.vllm.runner.SimRunner` (the prompt, then exactly the recorded tokens), each method's
+the target of `tests.sim_runner.SimRunner` (the prompt, then exactly the recorded tokens), each method's
 drafter behind the runner's `propose` call, the cells replayed as the engine served them: per cell a fresh drafter
 (a fresh engine in the study), the engine's warm-up requests first (unpriced), the cell's `llm.generate` groups in
 order (batch b: the group's b requests join at once), then the same requests again (the study's "again" phase).
@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.vllm.runner import SimRequest, SimRunner
 from lookup_decode.core.draft import kept_prefix
+from tests.sim_runner import SimRequest, SimRunner
 
 # clock name -> (F seconds per step, S seconds per verified token)
 CLOCKS: dict[str, tuple[float, float]] = {"cpu": (0.103, 0.0116), "gpu": (0.007, 0.000032)}

@@ -29,7 +29,8 @@ What it reproduces of vLLM (read from vllm/v1/worker/gpu_input_batch.py and gpu_
   request id of each row) and `requests` (id -> state with `num_prompt_tokens` and `sampling_params`: temperature,
   max_tokens, extra_args), a request leaving `requests` when it finishes (preempted and unscheduled ones stay);
   the runner calls the drafter's `load_model` as vLLM's does.
-Used by tests/test_vllm.py and the vLLM benchmarks; no vLLM needed.
+A test utility (tests/test_vllm.py, test_vllm_request_control.py); the vLLM benchmarks replay through it too. No vLLM
+needed.
 """
 
 from __future__ import annotations
