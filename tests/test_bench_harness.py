@@ -597,3 +597,52 @@ def test_bench_batch_measure_accounts_tokens_and_decode_time(tiny_llama):
         assert r["decode_tokens_per_second"] > 0
     assert rec["speedup"] == rec["lookup_decode"]["tokens_per_second"] / rec["plain"]["tokens_per_second"]
     assert rec["lookup_decode"]["stats"]["steps"] > 0
+
+
+# ------------------------------------------------------------------------------ prompt selection and the model
+
+def test_select_takes_the_first_n_that_fit_in_data_or_seeded_order():
+    from benchmarks.harness import workloads
+    sizes = {"qa": [50, 500, 20, 30], "aider_refactor": [900, 700, 100]}
+
+    def load(name):
+        return [workloads.Request(name, f"{name}/{i}", [{"role": "user", "content": "x" * n}])
+                for i, n in enumerate(sizes[name])]
+
+    def encode(req):
+        return torch.zeros(1, len(req.messages[0]["content"]), dtype=torch.long)
+    chosen, skipped = workloads.select(["qa"], None, 2, 100, encode=encode, load=load)
+    assert [r.id for r, _ in chosen] == ["qa/0", "qa/2"] and skipped == {"qa": 1}
+    everything, _ = workloads.select(["qa"], None, None, None, encode=encode, load=load)
+    assert len(everything) == 4
+    longs, skipped = workloads.select(["qa", "aider_refactor"], None, 5, 100, long_prompt_tokens=800,
+                                      encode=encode, load=load)
+    assert sorted(ids.shape[1] for r, ids in longs if r.category == "aider_refactor") == [100, 700]
+    fit, _ = workloads.select(["qa"], None, 5, 100, context=80, max_new_tokens=40, encode=encode, load=load)
+    assert [ids.shape[1] for _, ids in fit] == [20, 30]            # 50 + 40 > 80
+    a, _ = workloads.select(["qa"], None, 4, None, seed=3, encode=encode, load=load)
+    b, _ = workloads.select(["qa"], None, 4, None, seed=3, encode=encode, load=load)
+    assert [r.id for r, _ in a] == [r.id for r, _ in b]
+    assert sorted(r.id for r, _ in a) == [f"qa/{i}" for i in range(4)]
+
+
+def test_model_arguments_and_their_meaning(monkeypatch):
+    import argparse
+
+    import lookup_decode
+    from benchmarks.harness import model
+    ap = argparse.ArgumentParser()
+    model.add_model_arguments(ap)
+    args = ap.parse_args([])
+    assert args.model is None and args.dtype == "float32"
+    assert ap.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--dtype", "int8"])
+    assert model.model_path(None) is None and model.model_path("x.gguf") == "x.gguf"
+    assert model.torch_dtype("bfloat16") is torch.bfloat16
+    assert model.torch_dtype("auto") in (torch.bfloat16, torch.float32)
+    monkeypatch.delattr(lookup_decode, "code_model", raising=False)
+    with pytest.raises(SystemExit, match="code_model"):
+        model.model_path(model.CODE_MODEL)
+    monkeypatch.setattr(lookup_decode, "code_model", lambda: "/cache/qwen.gguf", raising=False)
+    assert model.model_path(model.CODE_MODEL) == "/cache/qwen.gguf"

@@ -15,7 +15,6 @@ same run) is shown beside the end-to-end one. Every row is checked against plain
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -26,26 +25,18 @@ from tqdm import tqdm
 from benchmarks.harness import workloads
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline
+from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.stats import DecodeStats
-from lookup_decode.engines.hf.models import chat_ids
 from lookup_decode.measure import command_line, environment, loop_score, timed_generate
 
 
-def make_batch(tokenizer, requests, max_prompt_tokens: int, size: int):
-    """Left-padded (ids [B, P], mask [B, P]) of the first `size` requests whose prompt fits."""
+def left_padded(rows, pad: int):
+    """(ids [B, P], mask [B, P]) of B token rows (long [T_i]), left-padded with `pad`."""
     import torch
-    rows = []
-    for req in requests:
-        ids = chat_ids(tokenizer, req.messages)[0]
-        if len(ids) <= max_prompt_tokens:
-            rows.append(ids)
-        if len(rows) == size:
-            break
-    if len(rows) < size:
-        return None
     P = max(len(r) for r in rows)
-    ids = torch.full((size, P), tokenizer.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), P), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, P - len(r):], mask[i, P - len(r):] = r, 1
@@ -150,7 +141,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help=".gguf file or local model folder (default SmolLM2-135M-Instruct)")
+    add_model_arguments(ap)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", nargs="+", default=["code_edit", "summarization", "mt_bench"],
@@ -165,10 +156,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lookup_decode.engines.hf.models import load_model
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=device)
+    model, tokenizer = load_model(args, device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     result = {"environment": environment(model, device, args.threads, args.model), "command": command_line(),
@@ -176,13 +166,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     jobs = [(w, b) for w in args.workloads for b in args.batch_sizes]
     for w, b in tqdm(jobs, desc="batches"):
-        reqs = workloads.load(w)
-        random.Random(args.seed).shuffle(reqs)
-        batch = make_batch(tokenizer, reqs, args.max_prompt_tokens, b)
-        if batch is None:
+        chosen, _ = workloads.select([w], tokenizer, b, args.max_prompt_tokens, seed=args.seed)
+        if len(chosen) < b:
             print(f"{w}: fewer than {b} prompts fit; skipped", file=sys.stderr)
             continue
-        ids, mask = (t.to(device) for t in batch)
+        ids, mask = (t.to(device) for t in left_padded([x[0] for _, x in chosen], tokenizer.pad_token_id))
         rec = measure(model, tokenizer, ids, mask, args.max_new_tokens, args.repeats)
         result["runs"].append({"workload": w, **rec})
         write_result(out, "batch", result)          # after every batch: a run cut short keeps what it measured

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-import lookup_decode
 from benchmarks.harness import workloads
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import first_mismatch
+from benchmarks.harness.model import add_model_arguments, load_tokenizer
+from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.cost import sync
 from lookup_decode.core.stats import DecodeStats
-from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.measure import command_line, environment, loop_score, timed_generate
 
 STATIC_VARIANTS = {
@@ -86,20 +86,9 @@ def decoder_cost_ratios(model, source, sizes=(1, 2, 4, 8, 16, 32), repeats: int 
 
 def prompts(tokenizer, names, n: int, max_tokens: int, encoder_source: bool):
     """Up to n (request, ids [1, T]) per workload whose ids fit max_tokens; summarization sources for encdec."""
-    chosen = []
-    for name in names:
-        taken = 0
-        for req in workloads.load(name):
-            if taken == n:
-                break
-            if encoder_source:          # the article text itself, no chat template
-                ids = tokenizer(req.messages[-1]["content"], return_tensors="pt")["input_ids"]
-            else:
-                ids = chat_ids(tokenizer, req.messages)
-            if ids.shape[1] <= max_tokens:
-                chosen.append((req, ids))
-                taken += 1
-    return chosen
+    def source(req):                # the article text itself, no chat template
+        return tokenizer(req.messages[-1]["content"], return_tensors="pt")["input_ids"]
+    return workloads.select(names, tokenizer, n, max_tokens, encode=source if encoder_source else None)[0]
 
 
 def markdown(result: dict) -> str:
@@ -131,6 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=2)
+    add_model_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true", help="static: torch.compile the forward")
     parser.add_argument("--out", type=Path, default=RESULTS / "coverage")
@@ -138,7 +128,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     if args.config == "static":
-        model, tokenizer = lookup_decode.load_model(device=args.device)
+        model, tokenizer = load_model(args, args.device)
         variants = STATIC_VARIANTS
         baseline_of = {"plain_static": "plain_static", "lookup_static": "plain_static", "plain": "plain",
                        "lookup_decode": "plain"}
@@ -152,7 +142,7 @@ def main(argv=None) -> int:
         from transformers import BartConfig, BartForConditionalGeneration
         torch.manual_seed(0)
         model = BartForConditionalGeneration(BartConfig(**BART_BASE)).to(args.device).eval()
-        tokenizer = load_tokenizer()
+        tokenizer = load_tokenizer(args)
         variants, baseline_of, names = ENCDEC_VARIANTS, {"plain": "plain", "lookup_decode": "plain"}, ["summarization"]
         note = ("RANDOMLY INITIALISED BART at bart-base size (no seq2seq weights offline): outputs loop, so this "
                 "measures the encoder-decoder mechanics, not a trained summarizer's gain.")
@@ -162,7 +152,7 @@ def main(argv=None) -> int:
     for v in variants.values():                          # untimed warm-up per variant
         timed(model, warm, min(8, args.max_new_tokens), v)
     result = {"config": args.config, "command": command_line(), "note": note, "variants": list(variants),
-              "baseline_of": baseline_of, "environment": environment(model, args.device, args.threads),
+              "baseline_of": baseline_of, "environment": environment(model, args.device, args.threads, args.model),
               "prompts": []}
     if args.config == "encdec":
         result["decoder_cost_ratio"] = decoder_cost_ratios(model, warm)

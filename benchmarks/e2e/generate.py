@@ -2,20 +2,23 @@
 
     python -m benchmarks.e2e.generate --n-per-workload 1 --max-new-tokens 32      # smoke test
     python -m benchmarks.e2e.generate --n-per-workload 10 --max-new-tokens 256 --repeats 2
+    python -m benchmarks.e2e.generate --model qwen2.5-coder-0.5b --dtype auto --workloads code_edit   # the code model
+    python -m benchmarks.e2e.generate --temperature 0.7 --workloads code_edit summarization    # sampling
 
 Per prompt, every variant runs `--repeats` times, interleaved (order rotated per repeat and per
-prompt) after one untimed warm-up request per variant; the median time counts. Greedy decoding, so
-every variant must give plain's tokens: identity is recorded per prompt. The plain output's loop score
-(share of it covered by an 8-gram repeated from earlier in it) marks loop-dominated prompts, which
-every table also shows excluded. The forward cost over 1..64 tokens is measured in the same process.
-Writes DIR/results.json (environment, command, per-prompt records, aggregates), DIR/results.md and
-PNG plots; results.json is rewritten after every prompt, so an interrupted run keeps what it measured.
+prompt) after one untimed warm-up request per variant; the median time counts. Greedy decoding by default, so
+every variant must give plain's tokens: identity is recorded per prompt. `--temperature T` samples instead
+(top_p 0.95, torch seeded per prompt; identity is then not expected: sampling is exact in distribution, not per
+seed). The plain output's loop score (share of it covered by an 8-gram repeated from earlier in it) marks
+loop-dominated prompts, which every table also shows excluded. The forward cost over 1..64 tokens is measured
+in the same process. Writes DIR/results.json (environment, command, per-prompt records, aggregates),
+DIR/results.md and PNG plots; results.json is rewritten after every prompt, so an interrupted run keeps what it
+measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -25,10 +28,11 @@ from tqdm import tqdm
 from benchmarks.harness import report, workloads
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import accepted_histogram, copy_share, first_mismatch
+from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.forward import measure_forward_cost
-from lookup_decode.engines.hf.models import chat_ids
 from lookup_decode.measure import (
     LOOP_THRESHOLD,
     PLAIN,
@@ -52,35 +56,16 @@ VARIANTS = {
 DEFAULT_VARIANTS = ["plain", "prompt_lookup", "lookup_decode", "lookup_decode_fixed10"]
 CATEGORIES = ["code_edit", "editeval", "summarization", "rag", "qa", "translation", "math_reasoning", "mt_bench",
               "clapnq", "mt_redundant", "humaneval", "qmsum"]
-LONG = ["aider_refactor"]
+LONG = list(workloads.LONG)
 LONG_PROMPT_TOKENS = 6144
 COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33, 40, 48, 56, 65]
+TOP_P = 0.95                       # with --temperature > 0
+select_prompts = workloads.select  # the name tests/test_scaling.py calls
 
 
-def select_prompts(names: list[str], tokenizer, n: int, max_prompt_tokens: int, context: int | None,
-                   max_new_tokens: int, seed: int, long_prompt_tokens: int | None = None, load=workloads.load):
-    """Per workload, up to n requests in a seeded random order whose prompt fits; and skip counts.
-
-    Prompts of the long-context workloads (LONG) may have up to long_prompt_tokens (default: max_prompt_tokens).
-    load: name -> requests (default: the shared data sets).
-    """
-    chosen, skipped = [], {}
-    for name in names:
-        reqs = load(name)
-        random.Random(seed).shuffle(reqs)
-        taken, skipped[name] = 0, 0
-        for req in reqs:
-            if taken == n:
-                break
-            ids = chat_ids(tokenizer, req.messages)
-            cap = long_prompt_tokens if name in LONG and long_prompt_tokens else max_prompt_tokens
-            too_long = ids.shape[1] > cap or (context and ids.shape[1] + max_new_tokens > context)
-            if too_long:
-                skipped[name] += 1
-                continue
-            chosen.append((req, ids))
-            taken += 1
-    return chosen, skipped
+def sampling(temperature: float) -> dict:
+    """generate() kwargs of a temperature: {} for greedy (0)."""
+    return {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_p": TOP_P}
 
 
 def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) -> dict:
@@ -115,9 +100,10 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help=".gguf file or local model folder (default SmolLM2-135M-Instruct)")
+    add_model_arguments(ap)
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampling with top_p "
+                    f"{TOP_P}, the same settings for every variant")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--workloads", nargs="+", default=CATEGORIES + LONG, choices=list(workloads.WORKLOADS),
                     help="default: every category, the long-context aider_refactor included")
@@ -140,19 +126,21 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lookup_decode.engines.hf.models import load_model
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     torch.set_num_threads(args.threads)
     names = ["plain"] + [v for v in dict.fromkeys(args.variants) if v != "plain"]
-    variants = [VARIANTS[n] for n in names]
+    variants = [Variant(v.name, v.lookup, {**v.generate_kwargs, **sampling(args.temperature)})
+                for v in (VARIANTS[n] for n in names)]
+    by_name = {v.name: v for v in variants}
     names_workloads = list(dict.fromkeys(args.workloads + (LONG if args.include_long else [])))
 
     t = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=device)
+    model, tokenizer = load_model(args, device)
     print(f"model loaded in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     context = getattr(model.config, "max_position_embeddings", None)
-    chosen, skipped = select_prompts(names_workloads, tokenizer, args.n_per_workload, args.max_prompt_tokens,
-                                     context, args.max_new_tokens, args.seed, args.long_prompt_tokens)
+    chosen, skipped = workloads.select(names_workloads, tokenizer, args.n_per_workload, args.max_prompt_tokens,
+                                       context=context, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                       long_prompt_tokens=args.long_prompt_tokens)
     if not chosen:
         raise SystemExit("no prompt fits --max-prompt-tokens")
     chosen = [(req, ids.to(device)) for req, ids in chosen]
@@ -168,7 +156,8 @@ def main(argv=None) -> int:
     result = {"environment": environment(model, device, args.threads, args.model),
               "settings": {"max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
                            "long_prompt_tokens": args.long_prompt_tokens,
-                           "n_per_workload": args.n_per_workload, "repeats": args.repeats, "seed": args.seed,
+                           "n_per_workload": args.n_per_workload, "temperature": args.temperature,
+                           "repeats": args.repeats, "seed": args.seed,
                            "workloads": names_workloads, "variants": names, "loop_threshold": args.loop_threshold,
                            "variant_descriptions": [v.describe() for v in variants]},
               "forward_cost": forward_cost, "skipped": skipped, "prompts": [], "partial": True}
@@ -176,7 +165,9 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(chosen) * len(variants) * args.repeats, desc="generate", unit="run")
     for i, (req, ids) in enumerate(chosen):
         bar.set_postfix_str(f"{req.category} ({ids.shape[1]} prompt tokens)")
-        runs = side_by_side(names, lambda name: run_variant(model, ids, VARIANTS[name], args.max_new_tokens),
+        if args.temperature:
+            torch.manual_seed(args.seed + i)
+        runs = side_by_side(names, lambda name: run_variant(model, ids, by_name[name], args.max_new_tokens),
                             args.repeats, offset=i, progress=bar.update)
         result["prompts"].append(prompt_record(req, ids, runs, names, tokenizer))
         report.write(result, out, with_plots=False)

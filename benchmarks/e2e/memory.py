@@ -25,6 +25,8 @@ import torch
 
 import lookup_decode
 from benchmarks.harness.loop import side_by_side
+from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.replay import sessions as memory_sessions
 from lookup_decode.core.stats import DecodeStats
@@ -55,13 +57,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=1800)
     ap.add_argument("--threads", type=int, default=None)
+    add_model_arguments(ap)
     ap.add_argument("--plain", action="store_true", help="also time plain model.generate")
     ap.add_argument("--memory-tokens", type=int, default=200_000)
     ap.add_argument("--out", default=str(RESULTS / "memory_generate"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = lookup_decode.load_model()
+    model, tokenizer = load_model(args)
+    env = environment(model, threads=args.threads, model_path=args.model)
     variants = (["plain"] if args.plain else []) + VARIANTS
     warm = chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}])
     for v in variants:                            # first calls allocate; lookup measures the forward cost once
@@ -94,10 +98,10 @@ def main(argv=None) -> int:
                 records.append(rec)
                 print(json.dumps({k2: rec[k2] for k2 in ("workload", "group", "new_tokens", "identical")}
                                  | {"seconds": {v: round(s, 2) for v, s in rec["seconds"].items()}}), file=sys.stderr)
-                write_result(args.out, "results", {"environment": environment(model, threads=args.threads),
+                write_result(args.out, "results", {"environment": env,
                                                    "records": records})
     summary = summarize(records, variants)
-    result = {"environment": environment(model, threads=args.threads), "settings": vars(args), "records": records,
+    result = {"environment": env, "settings": vars(args), "records": records,
               "summary": summary}
     write_result(args.out, "results", result, markdown(result))
     return 0

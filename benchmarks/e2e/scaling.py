@@ -45,13 +45,15 @@ from benchmarks.harness import workloads
 from benchmarks.harness.baselines import ContextCopyOracle, TransformersPromptLookup
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline, copy_share
+from benchmarks.harness.model import add_model_arguments, load_tokenizer
+from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
 from benchmarks.micro.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
-from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
+from lookup_decode.engines.hf.models import chat_ids
 from lookup_decode.engines.replay import replay
 from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, Variant, environment, loop_score, spread
 
@@ -138,13 +140,9 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
 
     from lookup_decode.measure import run_variant
     device = next(model.parameters()).device
-    prompts = []
-    for cat in args.output_categories:
-        reqs = workloads.load(cat)
-        random.Random(args.seed).shuffle(reqs)
-        picked = [(r, ids) for r, ids in ((r, chat_ids(tokenizer, r.messages)) for r in reqs[:50])
-                  if ids.shape[1] <= args.max_prompt_tokens][:args.output_n]
-        prompts += [(r, ids.to(device)) for r, ids in picked]
+    chosen, _ = workloads.select(args.output_categories, tokenizer, args.output_n, args.max_prompt_tokens,
+                                 seed=args.seed)
+    prompts = [(r, ids.to(device)) for r, ids in chosen]
     names = [PLAIN.name, LOOKUP.name]
     variants = {PLAIN.name: PLAIN, LOOKUP.name: LOOKUP}
     for v in variants.values():       # untimed warm-up: allocations, JIT, the policy's cost calibration
@@ -326,7 +324,7 @@ def part_copy(args, tokenizer, cost, eos) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["output", "context", "copy"], choices=["output", "context", "copy"])
-    ap.add_argument("--model", default=None, help=".gguf file or local model folder (default SmolLM2-135M-Instruct)")
+    add_model_arguments(ap)
     ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cost-grid", default=None, help="cost_grid.json of an earlier run: reuse, do not measure")
@@ -358,10 +356,9 @@ def main(argv=None) -> int:
     model = None
     need_model = "output" in args.parts or args.cost_grid is None
     if need_model:
-        from lookup_decode.engines.hf.models import load_model
-        model, tokenizer = load_model(args.model, device=device)
+        model, tokenizer = load_model(args, device)
     else:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args)
     eos = eos_of(tokenizer)
     SuffixIndex([1, 2, 1, 2], min_match=1).propose(2)   # compile the index kernels first
 

@@ -1,10 +1,10 @@
 """Reference proposers, re-implemented from the rules their projects document: one port of each peer's rule.
 
-All but `VllmNgramProposer` are drafters (`lookup_decode.core.draft.Drafter`), so
-`lookup_decode.engines.replay.replay` runs them through the decoding step: built on the prompt, then
-`extend(tokens)` and `propose(max_tokens) -> Draft`, with the length of the match behind the draft in
-`Draft.match_len` (0: none). Each step rescans the context (O(n) per step), as the originals do (plain
-numpy, and vLLM's n-gram scan in numba as vLLM has it).
+All but `VllmNgramProposer` and `ArcticSuffix` (behind vLLM's runner signature) are drafters
+(`lookup_decode.core.draft.Drafter`), so `lookup_decode.engines.replay.replay` runs them through the decoding
+step: built on the prompt, then `extend(tokens)` and `propose(max_tokens) -> Draft`, with the length of the match
+behind the draft in `Draft.match_len` (0: none). Each step rescans the context (O(n) per step), as the originals
+do (plain numpy, and vLLM's n-gram scan in numba as vLLM has it).
 
 * `TransformersPromptLookup` — transformers' PromptLookupCandidateGenerator (greedy, no logits
   processors): for n = max_matching_ngram_size .. 1, the *first* (left-most) window equal to the
@@ -27,6 +27,8 @@ numpy, and vLLM's n-gram scan in numba as vLLM has it).
   With no history of other requests, its global tree holds only this response, which the request's
   own tree already covers. The original's tie between equally frequent children is unspecified
   (hash-map order); here the one whose continuation occurs first wins.
+* `ArcticSuffix` — not a port: ArcticInference's own `SuffixDecodingCache` (its C++ suffix tree) driven as vLLM's
+  SuffixDecodingProposer drives it, behind the runner's `propose` signature like `VllmNgramProposer`.
 * `SelectionOracle` — the bound of choosing occurrences: knows the true continuation and copies from
   the best occurrence of the current last token (so of any matching suffix).
 * `ContextCopyOracle` — the ceiling of drafting by copying one span of the context: it knows the
@@ -392,3 +394,42 @@ class VllmNgramProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         pass
+
+
+class ArcticSuffix:
+    """ArcticInference's SuffixDecodingCache driven as vLLM's SuffixDecodingProposer drives it, behind the runner's
+    `propose(...)`: start_request with the prompt, add_active_response, speculate on the last max_tree_depth tokens,
+    stop_request when the request leaves the batch, one global cache of responses; vLLM's defaults. Request ids
+    and prompt lengths (which vLLM's proposer reads from its input batch) come from `runner.rows` (the simulated
+    runner's; set `runner` before the first call). ImportError without arctic_inference."""
+
+    def __init__(self, k: int, max_model_len: int, max_tree_depth: int = 24, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1, max_cached_requests: int = 10_000):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+        self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
+        self.k, self.max_model_len, self.depth = k, max_model_len, max_tree_depth
+        self.factor, self.min_prob = max_spec_factor, min_token_prob
+        self.runner = None
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        out = []
+        for i, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[i])
+            if not sampled or n >= self.max_model_len:
+                out.append([])
+                continue
+            req = self.runner.rows[i]
+            rid = id(req)
+            if rid not in self.cache.active_requests:
+                if rid in self.cache.cached_requests:
+                    self.cache.evict_cached_response(rid)
+                self.cache.start_request(rid, token_ids_cpu[i, : len(req.prompt)])
+            self.cache.add_active_response(rid, sampled)
+            pattern = token_ids_cpu[i, max(0, n - self.depth): n]
+            draft = self.cache.speculate(rid, pattern, max_spec_tokens=min(self.k, self.max_model_len - n - 1),
+                                         max_spec_factor=self.factor, min_token_prob=self.min_prob)
+            out.append(list(draft.token_ids))
+        in_batch = {id(r) for r in self.runner.rows if r is not None}
+        for rid in list(self.cache.active_requests - in_batch):
+            self.cache.stop_request(rid)
+        return out

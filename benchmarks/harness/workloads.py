@@ -1,8 +1,9 @@
 """Benchmark workloads from ../shared/data (real data written by others; see its README).
 
 Each loader returns `Request`s: chat messages for the model's chat template, plus the real
-reference output of a large model where the data set has one (for offline replay); `real_pairs`
-tokenizes those into the (prompt, output) pairs the replays run on.
+reference output of a large model where the data set has one (for offline replay); `select` is the one way a
+study picks its prompts (per workload, in the data's or a seeded order, under a token cap); `real_pairs`
+tokenizes the references into the (prompt, output) pairs the replays run on.
 Set LOOKUP_DECODE_DATA to point elsewhere; the default is the `shared/data` folder beside the repo.
 """
 
@@ -12,6 +13,7 @@ import ast
 import gzip
 import json
 import os
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +75,8 @@ def nofuneval_edit() -> list[Request]:
     for row in read_jsonl(data_dir() / "nofuneval_edit" / "nofuneval_edit.jsonl"):
         text = f"{row['instruction']}\n\n```{row['pl'].lower()}\n{row['source_code']}\n```"
         out.append(Request("code_edit", row["id"], user_turn(text), row.get("model_output"),
-                           {"source_chars": len(row["source_code"])}))
+                           {"source_chars": len(row["source_code"]), "source_code": row["source_code"],
+                            "instruction": row["instruction"]}))
     return out
 
 
@@ -199,6 +202,48 @@ def load(name: str) -> list[Request]:
     if name not in WORKLOADS:
         raise KeyError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     return WORKLOADS[name]()
+
+
+LONG = ("aider_refactor",)          # long-context workloads: `select`'s long_prompt_tokens cap applies to them
+
+
+def select(names: list[str], tokenizer, n: int | None = None, max_prompt_tokens: int | None = None, *,
+           context: int | None = None, max_new_tokens: int = 0, seed: int | None = None,
+           long_prompt_tokens: int | None = None, encode=None, load=load):
+    """The prompts of a study: per workload, the first n requests (None: all) whose prompt fits, in the data's
+    order or (seed given) a random.Random(seed) shuffle of it. Returns (chosen [(Request, ids long [1, T])],
+    skipped {workload: requests passed over for length}).
+
+    A prompt fits when it has at most max_prompt_tokens tokens (None: any; the LONG workloads: long_prompt_tokens
+    when given) and, with context given, prompt + max_new_tokens fits in it. encode: Request -> ids [1, T], what
+    is measured and returned (default: the chat template, `chat_ids`). load: name -> requests.
+
+    Example: select(["code_edit"], tok, 2, 1024, seed=0) -> the first two NoFunEval edits of a seeded shuffle
+    whose chat prompt has <= 1,024 tokens.
+    """
+    if encode is None:
+        from lookup_decode.engines.hf.models import chat_ids
+
+        def encode(req):
+            return chat_ids(tokenizer, req.messages)
+    chosen, skipped = [], {}
+    for name in names:
+        reqs = load(name)
+        if seed is not None:
+            random.Random(seed).shuffle(reqs)
+        cap = long_prompt_tokens if name in LONG and long_prompt_tokens else max_prompt_tokens
+        taken, skipped[name] = 0, 0
+        for req in reqs:
+            if taken == n:
+                break
+            ids = encode(req)
+            t = ids.shape[1]
+            if (cap is not None and t > cap) or (context and t + max_new_tokens > context):
+                skipped[name] += 1
+                continue
+            chosen.append((req, ids))
+            taken += 1
+    return chosen, skipped
 
 
 def eos_of(tokenizer) -> list[int]:

