@@ -12,6 +12,7 @@ import json
 
 import pytest
 import vllm_support as vs
+from test_predicted_outputs import lcs_reference
 from vllm_support import VLLM_MARKS
 
 pytestmark = VLLM_MARKS + [pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="needs openai")]
@@ -57,16 +58,6 @@ def _ask(url: str, prediction=None, *, stream=False, parts=False) -> dict:
             "spec": (extra.get("metrics") or {}).get("speculative_decoding")}
 
 
-def _lcs(a, b) -> int:
-    """The textbook dynamic programme."""
-    row = [0] * (len(b) + 1)
-    for x in a:
-        prev = row[:]
-        for j, y in enumerate(b):
-            row[j + 1] = prev[j] + 1 if x == y else max(prev[j + 1], row[j])
-    return row[-1]
-
-
 def _refused(url: str, value) -> tuple[int, str] | None:
     """A request with the prediction `value`: (status, message) of the openai client's BadRequestError, or None."""
     import openai
@@ -82,7 +73,7 @@ def _refused(url: str, value) -> tuple[int, str] | None:
 def _expected(tok, prediction: str, completion: str) -> tuple[int, int]:
     """OpenAI's counts by their stated definition (docs/fast-apply.md)."""
     p = tok(prediction, add_special_tokens=False)["input_ids"]
-    accepted = _lcs(p, tok(completion, add_special_tokens=False)["input_ids"])
+    accepted = lcs_reference(p, tok(completion, add_special_tokens=False)["input_ids"])
     return accepted, len(p) - accepted
 
 
