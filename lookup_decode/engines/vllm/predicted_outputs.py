@@ -204,8 +204,14 @@ class _Counter:
         return total
 
     async def with_counts(self, usage: dict, completions) -> None:
-        details = usage.get("completion_tokens_details") or {}
-        usage["completion_tokens_details"] = {**details, **await asyncio.to_thread(self.counts, completions)}
+        """usage with the counts in completion_tokens_details; unchanged if counting fails (logged: an answer is
+        never lost for its counts)."""
+        try:
+            counts = await asyncio.to_thread(self.counts, completions)
+        except Exception:                                      # noqa: BLE001
+            log.exception("lookup_decode: counting the prediction's tokens failed; the answer goes without them")
+            return
+        usage["completion_tokens_details"] = {**(usage.get("completion_tokens_details") or {}), **counts}
 
     async def send(self, message):
         if message["type"] == "http.response.start":
