@@ -179,7 +179,10 @@ class PredictedOutputs:
                         "is not lookup_decode.vllm.LookupDrafter: predictions are counted, not drafted from "
                         "(answers carry x-lookup-decode-prediction: none)")
         if self._tokenizer is None:
-            self._tokenizer = state.engine_client.get_tokenizer()
+            try:
+                self._tokenizer = state.engine_client.get_tokenizer()
+            except Exception:                                  # noqa: BLE001 - skip_tokenizer_init: no counts
+                log.exception("lookup_decode: the served model's tokenizer is not available: no prediction counts")
         body = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
