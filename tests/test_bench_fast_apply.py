@@ -67,7 +67,8 @@ def test_the_plan_runs_each_edit_once_per_variant_and_repeat():
 def test_server_commands(tmp_path):
     args = fa.parse_args(["--model", str(tmp_path), "--k", "4"])
     none = fa.server_command(args, "none", 8000)
-    assert "--speculative-config" not in none and "--enforce-eager" in none
+    assert "--speculative-config" not in none and "--per-request-spec-decode-metrics" not in none
+    assert "--enforce-eager" in none
     assert none[none.index("--middleware") + 1] == "lookup_decode.vllm.PredictedOutputs"
     suffix = fa.server_command(args, "suffix", 8000)
     assert json.loads(suffix[suffix.index("--speculative-config") + 1]) == {
@@ -75,6 +76,7 @@ def test_server_commands(tmp_path):
     ours = fa.server_command(args, "lookup_decode", 8000)
     assert json.loads(ours[ours.index("--speculative-config") + 1])["model"] == "lookup_decode.vllm.LookupDrafter"
     assert json.loads(ours[ours.index("--additional-config") + 1]) == {"lookup_decode": {"memory": False}}
+    assert ours[ours.index("--per-request-spec-decode-metrics") + 1] == "summary"
 
 
 def run(edit, variant, repeat, wall, text="out", accepted=None, rejected=None):
@@ -100,6 +102,9 @@ def test_summary_report_and_goals():
     assert (cell["identical"], cell["runs"]) == (2, 4)                      # edit 0's output differs from none's
     assert cell["tok_s"] == pytest.approx(40 / 4.0)
     assert "accepted_prediction" not in summary["nofuneval"]["variants"]["none"]
+    assert [k for k in summary["nofuneval"]["variants"]["none"] if k.startswith("vs_")] == []
+    assert [k for k in summary["nofuneval"]["variants"]["lookup_decode"] if k.startswith("vs_")] == ["vs_none",
+                                                                                                     "vs_suffix"]
     assert summary["rewrites"]["variants"]["lookup_decode+prediction"]["vs_lookup_decode"]["median"] == 0.8
     met = [ok for _, ok in fa.goals(summary)]
     assert met == [True, True, False]

@@ -145,10 +145,10 @@ def fake_vllm(answer, *, status=200, stream=False, pieces=1):
     return app, seen
 
 
-def call(app, request: dict, *, path="/v1/chat/completions", spec=LOOKUP, method="POST"):
+def call(app, request: dict, *, path="/v1/chat/completions", spec=LOOKUP, method="POST", tokenizer=Chars):
     """Run one request through PredictedOutputs(app); returns (status, headers dict, body bytes)."""
     state = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=spec),
-                            engine_client=SimpleNamespace(get_tokenizer=Chars))
+                            engine_client=SimpleNamespace(get_tokenizer=tokenizer))
     body = json.dumps(request).encode()
     scope = {"type": "http", "method": method, "path": path, "app": SimpleNamespace(state=state),
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
@@ -303,3 +303,20 @@ def test_an_engine_error_passes_through_with_the_header():
     status, headers, body = call(app, {"model": "m", "messages": [], "prediction": prediction("a")})
     assert status == 400 and json.loads(body)["error"]["message"] == "too long"
     assert headers[b"x-lookup-decode-prediction"] == b"drafter"
+
+
+def test_an_answer_whose_counting_fails_goes_out_without_the_counts(caplog):
+    class Broken:
+        def encode(self, text, add_special_tokens=True):
+            raise RuntimeError("no tokenizer")
+
+    for stream in (False, True):
+        answer = stream_events(OUTPUT) if stream else chat_answer([OUTPUT])
+        app, _ = fake_vllm(answer, stream=stream)
+        with caplog.at_level(logging.ERROR, logger="lookup_decode.vllm"):
+            status, headers, body = call(app, {"model": "m", "messages": [], "stream": stream,
+                                               "prediction": prediction(PREDICTED)}, tokenizer=Broken)
+        assert status == 200
+        usage = json.loads(body.decode().split("\n\n")[-3][6:] if stream else body)["usage"]
+        assert "completion_tokens_details" not in usage
+    assert sum("counting the prediction's tokens failed" in r.getMessage() for r in caplog.records) == 2

@@ -18,7 +18,8 @@ caching off: every run prefills its whole prompt; SuffixDecoding's cache of earl
 run's answer): `none` (no speculation), `ngram`, `suffix` (vLLM's defaults), `lookup_decode` (no prediction) and
 `lookup_decode+prediction` (the file as `prediction`: the drafter drafts from it). The last two share one server,
 each request's two runs in a random order (--seed). Servers run one after the other: every request --repeats times
-after two untimed warm-up requests. Greedy, batch 1, non-streamed, K = --k for every method.
+after two untimed warm-up requests. Greedy, batch 1, non-streamed, K = --k for every method. The servers inherit
+this environment (set OMP_NUM_THREADS and NUMBA_NUM_THREADS there on a CPU).
 
 Per (set, variant): the seconds of all the set's requests (client wall time, median over repeats with min-max),
 output tokens per second, the ratio against `none` and `suffix` (median of the per-repeat ratios), vLLM's draft
@@ -58,7 +59,7 @@ VARIANTS = {"none": ("none", False), "ngram": ("ngram", False), "suffix": ("suff
 ASK = "Return the whole file, edited."
 WARMUP = ["Write a Python function that adds two numbers.", "Rename x to y in: def f(x): return x + 1"]
 REWRITE_SHARE = 0.5
-BASES = ("none", "suffix", "lookup_decode")      # the ratios of each variant against these (the same repeat)
+BASES = ("none", "suffix", "lookup_decode")      # each later variant's ratios against these (the same repeat)
 START_S = 600
 
 
@@ -110,11 +111,11 @@ def plan(n_edits: int, variants: list[str], repeats: int, seed: int = 0) -> dict
 
 
 def server_command(args, method: str, port: int) -> list[str]:
-    """The server of one method: docs/vllm.md's command, PredictedOutputs, per-request metrics, no prefix cache."""
+    """The server of one method: docs/vllm.md's command, PredictedOutputs, no prefix cache, and with speculation
+    vLLM's per-request metrics (which it refuses without)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", args.dtype,
            "--max-model-len", str(args.max_model_len), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-           "--middleware", "lookup_decode.vllm.PredictedOutputs", "--per-request-spec-decode-metrics", "summary",
-           "--no-enable-prefix-caching"]
+           "--middleware", "lookup_decode.vllm.PredictedOutputs", "--no-enable-prefix-caching"]
     if args.kv_cache_bytes:
         cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
     if args.enforce_eager:
@@ -124,7 +125,7 @@ def server_command(args, method: str, port: int) -> list[str]:
         spec = {**spec, "num_speculative_tokens": args.k}
         if method == "suffix":
             spec["suffix_decoding_max_cached_requests"] = 0
-        cmd += ["--speculative-config", json.dumps(spec)]
+        cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", "summary"]
     if method == "lookup_decode":
         cmd += ["--additional-config", json.dumps({"lookup_decode": {"memory": False}})]
     return cmd
@@ -221,8 +222,8 @@ def summarize(runs: list[dict], edits: list[dict]) -> dict:
                     "draft_tokens": sum(r["draft_tokens"] for r in rs),
                     "accepted_drafts": sum(r["accepted_drafts"] for r in rs),
                     "identical": sum(r["text"] == none_text.get(r["edit"]) for r in rs), "runs": len(rs)}
-            for base in BASES:
-                if base in full and base != v:
+            for base in BASES:                        # against the variants before it only
+                if base in full and list(VARIANTS).index(base) < list(VARIANTS).index(v):
                     cell[f"vs_{base}"] = spread([_ratio(full[base][k], s) for k, s in per_repeat.items()
                                                  if k in full[base]])
             if any(r.get("accepted_prediction") is not None for r in rs):

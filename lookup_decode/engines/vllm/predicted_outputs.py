@@ -179,7 +179,10 @@ class PredictedOutputs:
                         "is not lookup_decode.vllm.LookupDrafter: predictions are counted, not drafted from "
                         "(answers carry x-lookup-decode-prediction: none)")
         if self._tokenizer is None:
-            self._tokenizer = state.engine_client.get_tokenizer()
+            try:
+                self._tokenizer = state.engine_client.get_tokenizer()
+            except Exception:                                  # noqa: BLE001 - skip_tokenizer_init: no counts
+                log.exception("lookup_decode: the served model's tokenizer is not available: no prediction counts")
         body = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
@@ -204,8 +207,14 @@ class _Counter:
         return total
 
     async def with_counts(self, usage: dict, completions) -> None:
-        details = usage.get("completion_tokens_details") or {}
-        usage["completion_tokens_details"] = {**details, **await asyncio.to_thread(self.counts, completions)}
+        """usage with the counts in completion_tokens_details; unchanged if counting fails (logged: an answer is
+        never lost for its counts)."""
+        try:
+            counts = await asyncio.to_thread(self.counts, completions)
+        except Exception:                                      # noqa: BLE001
+            log.exception("lookup_decode: counting the prediction's tokens failed; the answer goes without them")
+            return
+        usage["completion_tokens_details"] = {**(usage.get("completion_tokens_details") or {}), **counts}
 
     async def send(self, message):
         if message["type"] == "http.response.start":
