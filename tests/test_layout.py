@@ -71,8 +71,8 @@ def test_benchmarks_are_sorted_by_topic():
 @pytest.mark.parametrize("path", ["lookup_decode.generate", "lookup_decode.lookup_decoding",
                                   "lookup_decode.DecodeStats", "lookup_decode.Memory", "lookup_decode.References",
                                   "lookup_decode.SuffixIndex", "lookup_decode.LookupConfig",
-                                  "lookup_decode.load_model", "lookup_decode.vllm.LookupDrafter", "lookup_decode.vllm.PredictedOutputs",
-                                  "lookup_decode.code_model",
+                                  "lookup_decode.load_model", "lookup_decode.vllm.LookupDrafter",
+                                  "lookup_decode.vllm.PredictedOutputs", "lookup_decode.code_model",
                                   "lookup_decode.hf.lookup_decoding", "lookup_decode.measure.run_variant"])
 def test_documented_import_paths(path):
     module, name = path.rsplit(".", 1)
