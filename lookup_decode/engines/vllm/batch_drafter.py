@@ -115,6 +115,7 @@ class BatchDrafter:
         self.cost = StepCost.for_device(device, prior_token_cost=settings.draft_cost)
         self.budget: int | None = None              # the engine's token budget per step (chunked prefill)
         self._retire_every = max(1, settings.idle_steps // 4)
+        self._room_1024 = SuffixIndex.bytes_for(1024)   # the smallest index's bytes
         self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self._logged = self._shut = False
         self._fresh()
@@ -180,7 +181,8 @@ class BatchDrafter:
                 prefill = max(0, min(prefill, int(self.budget) - verified))
             self.cost.observe(verified, now - self._last, prefill_tokens=prefill)
         placed = self._within_bound(claim, r_counts)
-        if engine is not None and table.id_of:      # requests the engine no longer holds have finished
+        # Requests the engine no longer holds have finished (none has while every known one has a row here).
+        if engine is not None and len(table.id_of) > len(rows):
             for s in [s for s, rid in table.id_of.items() if rid not in engine.held]:
                 self._drop(s, "retired")
         rows, slots, ends = rows[placed], claim.slots[placed], r_counts[placed]
@@ -242,7 +244,8 @@ class BatchDrafter:
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
         kept_sent = np.minimum(kept, self.requests.sent[slots])
-        for i in np.flatnonzero(kept > 0).tolist():
+        credited = (kept > 0) & (step.credit[:, 0] > 0) if not self.records else kept > 0
+        for i in np.flatnonzero(credited).tolist():
             s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
             record = self.records.get(s)
             if record is not None and kept_sent[i]:
@@ -369,10 +372,15 @@ class BatchDrafter:
         """bool [r]: the rows whose index may take this call's tokens. Past the byte bound the requests not seen in
         this call go first; if that is not enough, the growing requests themselves are dropped (the largest growth
         first): their rows draft nothing until an index fits again."""
-        placed = claim.slots >= 0
+        placed, bound = claim.slots >= 0, self.settings.max_index_bytes
+        more = counts - claim.starts
+        # A slot's growth is at most its bytes doubled and the new tokens' room (twice): far below the bound, the
+        # exact sum (`IndexPool.growth`, O(rows) numpy calls) is not needed.
+        room = SuffixIndex.bytes_for(int(more.max())) if len(more) and more.max() > 1024 else self._room_1024
+        if 4 * (self.pool.bytes + len(more) * room) <= bound:
+            return placed
         growth = np.zeros(len(placed), np.int64)
-        growth[placed] = self.pool.growth(claim.slots[placed], counts[placed] - claim.starts[placed])
-        bound = self.settings.max_index_bytes
+        growth[placed] = self.pool.growth(claim.slots[placed], more[placed])
         if self._evict_idle(lambda: self.pool.bytes + int(growth.sum()) <= bound):
             return placed
         for j in np.argsort(-growth, kind="stable"):
@@ -397,10 +405,12 @@ class BatchDrafter:
         if no request seen is left unstored, the keeper writes memory_save at once."""
         table = self.requests
         ended = counts >= table.end[slots]
-        if len(self.eos) and len(rows):
-            ended |= np.isin(matrix[rows, counts - 1], self.eos)
-        for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
-            self._store(s, matrix[row, :n])
+        last = matrix[rows, counts - 1]
+        for e in self.eos:
+            ended |= last == e
+        if ended.any():
+            for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
+                self._store(s, matrix[row, :n])
         if absent:
             live = np.fromiter(table.live, np.int64, count=len(table.live))
             gone = live[table.last_seen[live] < self._call]
