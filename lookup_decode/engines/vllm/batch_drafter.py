@@ -28,7 +28,6 @@ import logging
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +73,6 @@ class Request:
     end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
     memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
     prediction: References | None = None   # its own corpus (lookup_decode_prediction)
-    own: bool = False                  # memory or prediction differ from the drafter's defaults
 
 
 @dataclass
@@ -90,7 +88,7 @@ class BatchDrafter:
 
     def __init__(self, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
                  vocab_size: int | None = None, eos_token_ids=(), memory: Memory | None = None,
-                 references: References | None = None, tokenizer=None, tokenizer_name: str | None = None,
+                 references: References | None = None, tokenizer=None,
                  saves: bool = True, replica: tuple[int, int] = (0, 1), device: str = "cpu"):
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -101,7 +99,7 @@ class BatchDrafter:
             raise ValueError(f"{ENV_PREFIX}K must be >= 1, got {settings.k}")
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.eos = tuple(int(e) for e in eos_token_ids)
-        self.tokenizer, self.tokenizer_name = tokenizer, tokenizer_name
+        self.tokenizer = tokenizer                  # the engine's (texts: references, predictions)
         self.stats = DrafterStats()
         # Tensor-parallel ranks hold the same memory: one writes it. Data-parallel replicas write their own files.
         self.keeper = Keeper(settings, self.stats, vocab_size=vocab_size, memory=memory, saves=saves,
@@ -290,41 +288,29 @@ class BatchDrafter:
             record.memory = self.keeper.scope(args.scope, {id(self.records[o].memory) for o in self._own})
         if args.prediction is not None:
             record.prediction = self._prediction(request_id, args.prediction)
-        record.own = record.memory is not self.memory or record.prediction is not None
-        if record.own:
+        if record.memory is not self.memory or record.prediction is not None:
             self._own.add(s)
         self.requests.set_request(s, record.k, record.temperature, record.end)
 
     def _prediction(self, request_id: str, prediction) -> References | None:
         """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
         try:
-            tokenizer = self._tokenizer() if isinstance(prediction, str) else None
-            return prediction_of(prediction, tokenizer=tokenizer, vocab_size=self.vocab_size)
+            if isinstance(prediction, str) and self.tokenizer is None:
+                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
+                                 "token ids)")
+            return prediction_of(prediction, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         except (ValueError, TypeError, OSError) as e:
             self.stats.ignored += 1
             log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
                         request_args.PREDICTION, e)
             return None
 
-    def _tokenizer(self):
-        """The engine's tokenizer (loaded once, on the first text that needs it)."""
-        if self.tokenizer is None:
-            if self.tokenizer_name is None:
-                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
-                                 "token ids)")
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
-        return self.tokenizer
-
     def _load_references(self) -> References | None:
         path = self.settings.references
         if not path:
             return None
-        # Text files are tokenized with the engine's tokenizer.
-        tokenizer = self._tokenizer() if Path(path).suffix != ".npz" and self.tokenizer_name is not None \
-            else self.tokenizer
-        try:
-            return load_references(path, tokenizer=tokenizer, vocab_size=self.vocab_size)
+        try:                                        # text files are tokenized with the engine's tokenizer
+            return load_references(path, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         except (FileNotFoundError, ValueError) as e:
             raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
 
