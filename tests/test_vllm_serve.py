@@ -131,7 +131,7 @@ def test_every_answer_survives_ctrl_c_and_sigterm_and_a_restarted_server_drafts_
         first = chats(url)
         spec_first = counters(url)
         time.sleep(0.5)
-    assert all(f["tokens"] > 32 for f in first)
+    assert all(f["tokens"] > 8 for f in first), first
     assert first_file.is_file(), log_tail(first_log)
     outputs = _texts(first_file, tok)
     assert all(f["text"].strip() in outputs for f in first), ([f["text"] for f in first], outputs)
