@@ -46,13 +46,13 @@ from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.vllm.engine import (
     WARMUP_TEXTS,
     Probe,
-    _load,
-    _vllm_distribution,
     chat_prompt,
     child_env,
     default_model,
-    spread,
+    load_average,
+    vllm_distribution,
 )
+from benchmarks.vllm.engine_report import spread_of as spread
 
 FORMS = ("file", "instruction")
 VARIANTS = {"file": ("none", "output"), "instruction": ("none", "output", "file")}
@@ -64,19 +64,14 @@ LOOKUP_SPEC = {"method": "custom_class", "model": "lookup_decode.vllm.LookupDraf
 def load_edits(tokenizer, n: int, max_file_tokens: int) -> list[dict]:
     """The first n NoFunEval edits whose file has <= max_file_tokens tokens: {"id", "file" (the source code),
     "prompts": {form: chat-templated prompt token ids}}."""
-    from benchmarks.harness import workloads
-    out = []
-    for row in workloads.read_jsonl(workloads.data_dir() / "nofuneval_edit" / "nofuneval_edit.jsonl"):
-        source = row["source_code"]
-        if len(tokenizer(source, add_special_tokens=False)["input_ids"]) > max_file_tokens:
-            continue
-        with_file = f"{row['instruction']}\n\n```{row['pl'].lower()}\n{source}\n```"
-        out.append({"id": row["id"], "file": source,
-                    "prompts": {"file": chat_prompt(tokenizer, with_file),
-                                "instruction": chat_prompt(tokenizer, row["instruction"])}})
-        if len(out) == n:
-            break
-    return out
+    from benchmarks.harness.workloads import select
+
+    def file_tokens(req):
+        return tokenizer(req.meta["source_code"], add_special_tokens=False, return_tensors="pt")["input_ids"]
+    return [{"id": req.id, "file": req.meta["source_code"],
+             "prompts": {"file": chat_prompt(tokenizer, req.messages[-1]["content"]),
+                         "instruction": chat_prompt(tokenizer, req.meta["instruction"])}}
+            for req, _ in select(["code_edit"], tokenizer, n, max_file_tokens, encode=file_tokens)[0]]
 
 
 def plan_rounds(n_requests: int, repeats: int, seed: int = 0) -> list[list[dict]]:
@@ -131,7 +126,7 @@ def run_child(plan_path: str, role: str, out_path: str) -> None:
         wall = time.perf_counter() - t
         metrics = out.outputs[0].spec_decode_metrics
         snap = probe.snapshot()
-        return {"wall_s": wall, "tokens": list(out.outputs[0].token_ids), "load": _load(),
+        return {"wall_s": wall, "tokens": list(out.outputs[0].token_ids), "load": load_average(),
                 "spec": None if metrics is None else metrics.to_dict(), "steps": snap["emitting_steps"],
                 "propose_s": snap["propose_s"]}
 
@@ -169,7 +164,7 @@ def run_child(plan_path: str, role: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({
         "role": role, "engine_kwargs": kw, "build_s": build_s, "warmup_s": warmup_s, "runs": runs,
         "drafter_summary": None if drafter is None else drafter.stats.summary(),
-        "info": {"vllm": vllm.__version__, "vllm_distribution": _vllm_distribution()}}))
+        "info": {"vllm": vllm.__version__, "vllm_distribution": vllm_distribution()}}))
 
 
 def run_engine(plan_path: Path, role: str, workdir: Path, env: dict, timeout: float) -> dict:
@@ -328,7 +323,7 @@ def main(argv=None) -> None:
     plan_path = workdir / "plan.json"
     plan_path.write_text(json.dumps(plan))
     env = child_env(dict(os.environ), args.threads)
-    load_start, t = _load(), time.perf_counter()
+    load_start, t = load_average(), time.perf_counter()
     reference = run_engine(plan_path, "none", workdir, env, args.timeout)
     for i, edit in enumerate(edits):       # the predictions of variant `output`: no speculation's outputs, as text
         edit["output"] = {form: tokenizer.decode(next(r["tokens"] for r in reference["runs"]
@@ -337,7 +332,7 @@ def main(argv=None) -> None:
     plan_path.write_text(json.dumps(plan))
     lookup = run_engine(plan_path, "lookup", workdir, env, args.timeout)
     result = {"command": env_info["command"], "environment": env_info, "settings": settings,
-              "load": {"start": load_start, "end": _load(),
+              "load": {"start": load_start, "end": load_average(),
                        "max": max((r["load"] for e in (reference, lookup) for r in e["runs"] if r.get("load")),
                                   default=None)},
               "run_s": time.perf_counter() - t,
