@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness.model import CODE_MODEL, DTYPES, hf_folder
 from benchmarks.vllm.engine_report import MEMORY_METHODS, OURS, PHASES, REFERENCE, finish, reference_outputs
 from lookup_decode.core.stats import Calibration
 
@@ -419,7 +420,8 @@ def default_model() -> str | None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=None, help="a transformers model folder (default: see default_model)")
+    ap.add_argument("--model", default=None, help=f"a transformers model folder, or {CODE_MODEL} (the code model, "
+                    "exported once beside its GGUF file); default: see default_model")
     ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     ap.add_argument("--cells", nargs="+", default=None, help="WORKLOAD:BATCH cells, e.g. code:1 chat:8 (aliases: "
                     f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}); default: every --workloads x --batches")
@@ -441,7 +443,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="kv_cache_memory_bytes (0: vLLM's default, "
                     "gpu_memory_utilization); 2 GiB holds batch 32 of 1,024-token prompts of the default model")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="vLLM's dtype (auto: the model's)")
     ap.add_argument("--eager", choices=["auto", "yes", "no"], default="auto",
                     help="enforce_eager (auto: yes without CUDA, where vLLM has no graphs to capture)")
     ap.add_argument("--threads", type=int, default=None,
@@ -590,7 +592,7 @@ def main(argv=None) -> None:
             result["replay"] = run_replay(result)
         finish(result, args.out, args.name)
         return
-    model = args.model or default_model()
+    model = hf_folder(args.model) or default_model()
     if model is None:
         raise SystemExit("no model folder: export the default model (lookup-decode export-hf ./smollm2-hf) "
                          "or pass --model")
