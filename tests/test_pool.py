@@ -257,3 +257,12 @@ def test_growth_reports_what_reserve_adds():
         pool.step(matrix, np.arange(2), slots, n, n + more, np.full(2, 8), n > 0)
         n = n + more
     assert pool.swaps > 0 and "copy" in seen
+
+
+def test_pool_prices_with_the_constants_it_is_given():
+    from lookup_decode.core import acceptance as A
+    root = [0.5] * A.N_BUCKETS
+    pool = IndexPool(4, params=A.params(root_first=root, root_later=root))
+    matrix = np.array([[5, 6, 7, 8, 9, 5, 6, 7]], np.int32)
+    got = pool.step(matrix, [0], [pool.add(8)], [0], [8], [4], [False])
+    assert got.lengths[0] == 4 and np.allclose(got.p_kept[0, :3], [0.5, 0.25, 0.125])

@@ -79,13 +79,16 @@ class IndexPool:
         min_match, max_match, eos_token_ids, resync_window: as for `SuffixIndex`.
         corpus_min_match, alone_min_match: the corpus rule of `SourcesProposer` (a corpus draft needs this
             match while the request has a draft of its own / when it has none).
+        params: the acceptance model's constants (`acceptance.params(...)`; None: `acceptance.PARAMS`).
     The acceptance counts are pooled over every slot; a new slot deviates from them by its own evidence
     (`core.acceptance`).
     """
 
     def __init__(self, k: int, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), resync_window: int = 64,
-                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH):
+                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
+                 params: np.ndarray | None = None):
         self.k = int(k)
+        self.params = A.PARAMS if params is None else np.asarray(params, np.float64)
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
         self.stops = np.append(self.eos, np.int32(SEPARATOR))
@@ -343,7 +346,7 @@ class IndexPool:
 
     @property
     def _kernel_rules(self) -> tuple:
-        return self._rules, self.eos, self.stops
+        return self._rules, self.eos, self.stops, self.params
 
     def _corpora_arrays(self, corpora) -> tuple:
         """The kernel's list of corpus arrays and their versions, kept from call to call while the corpora are the
@@ -407,7 +410,7 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
     rows, slots, starts, ends, limits, learn, temps, row_corpora, versions = batch
     (meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp,
      cursor, cursor_ver) = state
-    ints, eos, stops = rules
+    ints, eos, stops, params = rules
     min_match, max_match, corpus_min_match, alone_min_match, window, lead = (ints[0], ints[1], ints[2], ints[3],
                                                                              ints[4], ints[5])
     out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit = out
@@ -428,7 +431,7 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
             kept = 0
             while kept < n and prev[s, kept] == new[kept]:
                 kept += 1
-            A.observe(counts, request[s], prev_match[s], prev_branched[s], prev_src[s], prev_temp[s], n, kept)
+            A.observe(counts, request[s], prev_match[s], prev_branched[s], prev_src[s], prev_temp[s], n, kept, params)
             out_kept[i] = kept
             out_credit[i, 0] = prev_src[s]
             if prev_src[s] > 0:
@@ -487,4 +490,4 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
             prev[s, j] = out_tokens[i, j]
         # 4. The probability of each draft token being kept (the acceptance model, as DraftPolicy prices it).
         out_p[i, :] = 0.0
-        A.predict(counts, request[s], best_m, br, src, temps[i], best_d, out_p[i])
+        A.predict(counts, request[s], best_m, br, src, temps[i], best_d, out_p[i], params)
