@@ -44,6 +44,7 @@ from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buff
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
+LEAD = 2                           # the role of the request's prediction: its drafts lead (core.draft.choose_source)
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
 MIGRATE_WORK = 512                 # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
 MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
@@ -96,7 +97,7 @@ class IndexPool:
         self.corpus_min_match, self.alone_min_match = corpus_thresholds(self.min_match, self.max_match,
                                                                         corpus_min_match, alone_min_match)
         self._rules = np.array([self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match,
-                                self.window, -1], np.int64)     # the kernel's (see _step), lead last
+                                self.window, LEAD], np.int64)   # the kernel's (see _step)
         self.counts = A.new_counts()                        # the acceptance model's pool, every slot's evidence
         self.slots = 0                                      # slots ever allocated (arrays hold this many rows)
         self.free: list[int] = []
@@ -290,7 +291,8 @@ class IndexPool:
         are what the engine emitted after the slot's last draft (False after a step the caller did not see:
         nothing is learned from them). corpora: (SuffixIndex, version) of shared read-only corpora
         (`Corpus.reading()`), any number. row_corpora: int [r, ROLES], the corpora (indices into `corpora`, -1: none)
-        row i reads, by role in tie-break order; a draft from role c has source 1 + c. A slot's role must name the
+        row i reads, by role in tie-break order; a draft from role c has source 1 + c; role LEAD is the request's
+        prediction, whose draft goes first while it rests on corpus_min_match tokens. A slot's role must name the
         same corpus at every call (its cursor follows that corpus; a new version is re-walked). None: every row
         reads corpora[c] as role c. temperatures: float [r], each row's sampling temperature (None: all greedy),
         priced in cells of its own.

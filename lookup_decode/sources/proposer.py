@@ -7,6 +7,9 @@ Choice rule, per step: every source proposes, and `core.draft.choose_source` pic
 uses): among the non-empty drafts the one backed by the longest match wins; ties go to the more recent text: the
 request itself, then the memory (the model's own earlier outputs), then the reference documents; a corpus draft
 needs CORPUS_MIN_MATCH (4) tokens while the request has a draft of its own, ALONE_MIN_MATCH (2) when it has none.
+A request's prediction (a corpus named PREDICTION: the text its output is expected to repeat) leads: its draft goes
+first whenever it rests on CORPUS_MIN_MATCH tokens, ahead of any source that merely matches more of the recent
+tokens; where it stops matching, the other sources draft as before.
 The draft length is then chosen by the same `DraftPolicy` as without memory (from the winning match length and
 the measured forward cost), so a source whose drafts get rejected gets short or no verification, as any weak
 match does.
@@ -48,7 +51,8 @@ class SourcesProposer:
         self.drafts_from: Counter = Counter()
         self.accepted_from: Counter = Counter()
         self._last: tuple[int, np.ndarray] | None = None   # (source, tokens) of the last non-empty proposal
-        self.lead = -1                                     # a source whose drafts go first (choose_source)
+        # The request's prediction leads: its draft goes first while it rests on corpus_min_match tokens.
+        self.lead = self.names.index(PREDICTION) if PREDICTION in self.names else -1
 
     def extend(self, tokens) -> None:
         if self._last is not None:
