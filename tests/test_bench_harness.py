@@ -665,3 +665,9 @@ def test_code_model_folder_for_vllm_is_exported_once(monkeypatch, tmp_path):
     assert model.hf_folder(model.CODE_MODEL) == str(tmp_path / "qwen-hf")
     assert model.hf_folder(model.CODE_MODEL) == str(tmp_path / "qwen-hf")
     assert exported == [(tmp_path / "qwen-hf", gguf)]
+
+
+def test_batch_rows_are_left_padded():
+    from benchmarks.e2e.batch import left_padded
+    ids, mask = left_padded([torch.tensor([5, 6, 7]), torch.tensor([8])], pad=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
