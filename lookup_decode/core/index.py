@@ -175,20 +175,22 @@ class SuffixIndex:
     # only read, so one index serves any number of cursors; `new_cursor` gives a fresh one.
     @staticmethod
     def new_cursor() -> np.ndarray:
-        """A cursor at the empty match: int64 [4] (state, automaton match, occurrence end, occurrence match)."""
-        return np.array([0, 0, -1, 0], np.int64)
+        """A cursor at the empty match: int64 [5] (state, automaton match, occurrence end, occurrence match,
+        anchor)."""
+        return np.array([0, 0, -1, 0, -1], np.int64)
 
-    def follow(self, cursor: np.ndarray, tokens) -> None:
+    def follow(self, cursor: np.ndarray, tokens, window: int = 0) -> None:
         """Advance `cursor` (from `new_cursor`) over tokens of another text, in place.
 
         Afterwards cursor[3] is the length of the suffix of that text matched here and cursor[2]
-        the end position of that occurrence in `tokens` (-1 when none); the occurrence rule is the
-        one of `extend`. A cursor is only valid until this index is next extended.
+        the end position of that occurrence here (-1 when none); the occurrence rule is the one of
+        `extend` (re-synchronising within `window` tokens; 0: none). A cursor is only valid until this
+        index is next extended.
         """
         new = as_token_array(tokens)
         if new.size:
             K.follow(self._toks, len(self), self._slen, self._slink, self._sfirst, self._eto, self._hkey,
-                     self._hval, cursor, new)
+                     self._hval, cursor, new, window)
 
     def continuation(self, end: int, max_tokens: int, stop_ids: np.ndarray) -> np.ndarray:
         """The tokens after position `end`: int32 [d], d <= max_tokens, stopping before any id in

@@ -133,7 +133,7 @@ class IndexPool:
                 "prev_src": ((), np.int64, 0),                            # 0: the request; 1 + c: corpus c
                 "prev_end": ((), np.int64, -1),                           # corpus position the draft copied after
                 "prev_ver": ((), np.int64, -1),                           # that corpus's version then
-                "cursor": ((ROLES, 4), np.int64, 0),                      # per corpus role: a `SuffixIndex` cursor
+                "cursor": ((ROLES, 5), np.int64, 0),                      # per corpus role: a `SuffixIndex` cursor
                 "cursor_ver": ((ROLES,), np.int64, -1)}
         for name, (tail, dtype, fill) in spec.items():
             new = np.full((n,) + tail, fill, dtype)
@@ -456,7 +456,7 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
             corpus = corpora[ci]
             cur = cursor[s, c]
             if cursor_ver[s, c] != versions[ci]:
-                cur[0], cur[1], cur[2], cur[3] = 0, 0, -1, 0
+                cur[0], cur[1], cur[2], cur[3], cur[4] = 0, 0, -1, 0, -1
                 tail = min(max_match, CURSOR_TAIL)
                 walk = matrix[rows[i], max(ends[i] - tail, 0): ends[i]]
                 cursor_ver[s, c] = versions[ci]
@@ -464,7 +464,7 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
                 walk = new
             if walk.shape[0] > 0 and corpus[1] > 0:
                 K.follow(corpus[0], corpus[1], corpus[2], corpus[3], corpus[4], corpus[5], corpus[6], corpus[7],
-                         cur, walk)
+                         cur, walk, window if c == lead else 0)
             lengths[1 + c] = _corpus_draft(corpus, cur, alone_min_match, limit, stops, scratch[c])
             matches[1 + c] = min(cur[3], max_match)
         # 3. Draft: every source's continuation, then the rule of `core.draft.choose_source`.
