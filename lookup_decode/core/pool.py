@@ -30,6 +30,8 @@ proportion to the tokens that call brings anyway. `copied` counts the bytes ever
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +51,26 @@ FIRST_CAP = 1024                   # tokens of room a new slot starts with (as S
 MIGRATE_WORK = 512                 # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
 MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
 _HASH_PER_WORK = 32
+
+
+def _drop_stale_cache() -> None:
+    """numba keys its disk cache of this module's kernels on this file alone, but `_step` compiles in the kernels of
+    automaton.py, acceptance.py and draft.py: after an edit of one of those it would load the old code. Drop this
+    module's cached kernels when those files changed (a digest kept beside the cache)."""
+    here = pathlib.Path(__file__).parent
+    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("automaton.py", "acceptance.py", "draft.py")))
+    stamp = here / "__pycache__" / "pool.deps"
+    try:
+        stamp.parent.mkdir(exist_ok=True)
+        if not stamp.exists() or stamp.read_text() != digest.hexdigest():
+            for f in stamp.parent.glob("pool.*.nb[ic]"):
+                f.unlink(missing_ok=True)
+            stamp.write_text(digest.hexdigest())
+    except OSError:                         # a read-only install: numba caches elsewhere, or not at all
+        pass
+
+
+_drop_stale_cache()
 
 
 def _warm_up(window: int) -> None:
