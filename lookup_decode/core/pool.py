@@ -42,7 +42,7 @@ from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
 from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match, corpus_thresholds
 from lookup_decode.core.draft import choose_source
-from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buffers, room_bytes
+from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buffers, new_automaton, room_bytes, room_for
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
@@ -76,10 +76,9 @@ _drop_stale_cache()
 def _warm_up(window: int) -> None:
     """Compile (or load) `automaton.extend` for the argument types `migrate` passes it, now: the first growth of
     a long context must not wait for numba inside an engine step."""
-    tok, st, ed, hk, hv = buffers(4, fill=False)
-    hk[:] = -1
     meta = np.zeros(K.META_SIZE, np.int64)
-    K.init_automaton(st[0], st[1], st[2], st[3], meta)
+    tok, st, ed, hk, hv = new_automaton(4, meta, fill=False)
+    hk[:] = -1
     src = np.array([1, 2, 1, 2], np.int32)
     K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
 
@@ -174,14 +173,8 @@ class IndexPool:
             if self.slots == self.meta.shape[0]:
                 self._arrays(2 * self.slots)
             s, self.slots = self.slots, self.slots + 1
-        cap = FIRST_CAP
-        while cap < n_tokens:
-            cap *= 2
-        cap = min(cap, max(MAX_TOKENS, int(n_tokens)))
-        bufs = buffers(cap)
-        st = bufs[1]
-        K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
-        self.buffers[s], self.cap[s] = bufs, cap
+        cap = room_for(FIRST_CAP, n_tokens)
+        self.buffers[s], self.cap[s] = new_automaton(cap, self.meta[s]), cap
         self.bytes += int(room_bytes(cap))
         self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
@@ -211,11 +204,6 @@ class IndexPool:
         return room_bytes(self.cap[slots]) + room_bytes(extra)
 
     # -- growth -------------------------------------------------------------------------------------
-    def _next_cap(self, cap: int, need: int) -> int:
-        while cap < need:
-            cap *= 2
-        return min(cap, max(MAX_TOKENS, need))
-
     def growth(self, slots, more) -> np.ndarray:
         """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices): a bigger
         room now, or the copy with twice the room that starts once a slot holds 3/4 of its room."""
@@ -249,18 +237,15 @@ class IndexPool:
             if n > c:
                 self._grow_now(s, n)
             elif s not in self.copies and c >= self.migrate_from and c < MAX_TOKENS:
-                bufs = buffers(2 * c, fill=False)
                 meta = np.zeros(K.META_SIZE, np.int64)
-                st = bufs[1]
-                K.init_automaton(st[0], st[1], st[2], st[3], meta)
-                self.copies[s] = _Copy(2 * c, bufs, meta)
+                self.copies[s] = _Copy(2 * c, new_automaton(2 * c, meta, fill=False), meta)
                 self.bytes += int(room_bytes(2 * c))
 
     def _grow_now(self, s: int, need: int) -> None:
         """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
         self.bytes -= int(self.nbytes([s])[0])
         self.copies.pop(s, None)
-        cap = self._next_cap(int(self.cap[s]), need)
+        cap = room_for(int(self.cap[s]), need)
         new = buffers(cap)
         copy_buffers(self.buffers[s], new, self.meta[s])
         self.copied += int(room_bytes(cap))
