@@ -8,7 +8,7 @@ Transitions live in one open-addressing hash table keyed by (state, token), so t
 outgoing edges in a linked list, which the clone step of the construction needs to copy.
 
 Every kernel takes arrays and ints and writes into caller-owned buffers; `index.py` owns the
-buffers and grows them. Nothing else in the package imports numba.
+buffers' layout and grows them (`pool.py` keeps many of them and calls these kernels from its own).
 """
 
 import numpy as np
