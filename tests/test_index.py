@@ -172,3 +172,15 @@ def test_growth_past_initial_capacity_matches_reference():
 def test_large_vocabulary_ids():
     tokens = [150_000, 2**31 - 1, 7, 150_000, 2**31 - 1]
     assert SuffixIndex(tokens, min_match=2).propose(3).tokens.tolist() == [7, 150_000, 2**31 - 1]
+
+
+def test_follow_resynchronises_near_where_the_copy_broke():
+    """A cursor copying from the second of two equal regions: after a substitution, with a window it resumes in the
+    same region (a diff's re-synchronisation), without one at the earliest occurrence."""
+    index = SuffixIndex([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7])
+    for window, end in ((64, 11), (0, 4)):
+        cursor = index.new_cursor()
+        index.follow(cursor, [7, 1, 2, 3], window)
+        assert cursor[2] == 9 and cursor[3] == 4
+        index.follow(cursor, [8, 5], window)            # 8 replaced the 4: the copy goes on after it
+        assert cursor[2] == end and cursor[3] == 1

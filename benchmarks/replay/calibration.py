@@ -196,9 +196,10 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--drivers", nargs="+", default=["pool", "policy"])
     ap.add_argument("--name", default="calibration")
-    ap.add_argument("--ablate", action="store_true", help="every model of ABLATIONS, not only the full one")
+    ap.add_argument("--ablate", nargs="*", choices=list(ABLATIONS), default=None,
+                    help="the models of ABLATIONS to run (none named: all), not only the full one")
     args = ap.parse_args(argv)
-    models = ABLATIONS if args.ablate else {"full": {}}
+    models = {"full": {}} if args.ablate is None else {m: ABLATIONS[m] for m in args.ablate or ABLATIONS}
     from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer()
     eos = eos_of(tokenizer)

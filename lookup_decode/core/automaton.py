@@ -8,7 +8,7 @@ Transitions live in one open-addressing hash table keyed by (state, token), so t
 outgoing edges in a linked list, which the clone step of the construction needs to copy.
 
 Every kernel takes arrays and ints and writes into caller-owned buffers; `index.py` owns the
-buffers and grows them. Nothing else in the package imports numba.
+buffers' layout and grows them (`pool.py` keeps many of them and calls these kernels from its own).
 """
 
 import numpy as np
@@ -21,6 +21,9 @@ META_SIZE = 7
 # Local re-sync compares at most this many tokens backwards per candidate; a longer global match is
 # taken as is (it is strong evidence already, and the bound keeps a miss O(window * LOCAL_MAX)).
 LOCAL_MAX = 64
+# `follow` re-synchronises near a copy that broke only once the copy held this many tokens: a chance match of a few
+# tokens (a prompt walked over a request's prediction) sets no anchor.
+ANCHOR_MIN = 4
 _EMPTY = -1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -81,14 +84,14 @@ def init_automaton(slen, slink, sfirst, shead, meta):
 
 
 @njit(cache=True, nogil=True)
-def local_match(toks, i, length, anchor, window):
-    """End of the occurrence of the `length`-token suffix of toks[:i + 1] whose continuation starts
-    nearest to `anchor`, within `window` of it (ties: the earlier one); -1 when none.
+def local_match(toks, i, top, length, anchor, window):
+    """End of the occurrence of toks[i - length + 1: i + 1] whose continuation starts nearest to `anchor`,
+    within `window` of it (ties: the earlier one); -1 when none.
 
-    Only occurrences ending before i count. Cost O(window * length).
+    Only occurrences ending at or before `top` count. Cost O(window * length).
     """
     lo = max(anchor - window - 1, length - 1)
-    hi = min(anchor + window - 1, i - 1)
+    hi = min(anchor + window - 1, top)
     best, best_dist = -1, window + 1
     for e in range(lo, hi + 1):
         if toks[e] != toks[i]:
@@ -169,7 +172,7 @@ def extend(toks, slen, slink, sfirst, shead, etok, eto, enext, hkey, hval, meta,
             meta[MATCH_LEN] = length
             meta[MATCH_END] = sfirst[s] if length > 0 else -1
             if window > 0 and 0 < length <= LOCAL_MAX and meta[ANCHOR] >= 0:
-                e = local_match(toks, i, length, meta[ANCHOR], window)
+                e = local_match(toks, i, i - 1, length, meta[ANCHOR], window)
                 if e >= 0:
                     meta[MATCH_END] = e
 
@@ -212,16 +215,20 @@ def draft_length(toks, n, start, max_tokens, eos):
 
 
 @njit(cache=True, nogil=True)
-def follow(toks, n, slen, slink, sfirst, eto, hkey, hval, cursor, new):
+def follow(toks, n, slen, slink, sfirst, eto, hkey, hval, cursor, new, window):
     """Advance `cursor` over `new` (int32 [m]), tokens of *another* text (matching statistics).
 
-    cursor (int64 [4]): automaton state, length of the longest suffix of the other text that occurs
-    in this one, end position of the occurrence being copied, length matched there. Same rule as
-    `extend`: keep following the copied occurrence while toks[end + 1] continues the other text;
-    otherwise jump to the earliest occurrence (the state's `first`) of the longest matching suffix.
-    Reads the automaton only; O(1) amortized per token.
+    cursor (int64 [5]): automaton state, length of the longest suffix of the other text that occurs
+    in this one, end position of the occurrence being copied, length matched there, anchor. The rule
+    of `extend`: keep following the copied occurrence while toks[end + 1] continues the other text;
+    otherwise, with window > 0, the occurrence of the longest matching suffix whose continuation starts
+    nearest to the anchor (where the last copy of >= ANCHOR_MIN tokens would have gone on, advanced by one per
+    token matched nowhere) within `window` — a diff's
+    re-synchronisation after an insertion, deletion or substitution, the way a request's prediction is
+    followed — else the earliest one (the state's `first`). Reads the automaton only; O(1) amortized
+    per token (O(window * length) after a break, with window > 0).
     """
-    state, length, end, occ = cursor[0], cursor[1], cursor[2], cursor[3]
+    state, length, end, occ, anchor = cursor[0], cursor[1], cursor[2], cursor[3], cursor[4]
     for t in range(new.shape[0]):
         c = np.int64(new[t])
         while state != 0 and _edge(hkey, hval, state, c) == -1:
@@ -235,6 +242,14 @@ def follow(toks, n, slen, slink, sfirst, eto, hkey, hval, cursor, new):
         if occ > 0 and end + 1 < n and toks[end + 1] == c:
             end, occ = end + 1, occ + 1
         else:
+            if occ >= ANCHOR_MIN:
+                anchor = end + 2
+            elif anchor >= 0:
+                anchor += 1
             occ = length
             end = sfirst[state] if length > 0 else -1
-    cursor[0], cursor[1], cursor[2], cursor[3] = state, length, end, occ
+            if window > 0 and 0 < length <= LOCAL_MAX and anchor >= 0:
+                e = local_match(toks, end, n - 1, length, anchor, window)
+                if e >= 0:
+                    end = e
+    cursor[0], cursor[1], cursor[2], cursor[3], cursor[4] = state, length, end, occ, anchor

@@ -49,6 +49,23 @@ def buffers(cap: int, fill: bool = True) -> tuple:
     return new(cap, np.int32), new((4, states), np.int32), new((3, edges), np.int32), hk, new(hashes, np.int32)
 
 
+def room_for(cap: int, need: int) -> int:
+    """The room (tokens) buffers of `cap` tokens grow to for `need`: doubled until it fits, at most
+    max(MAX_TOKENS, need)."""
+    while cap < need:
+        cap *= 2
+    return min(cap, max(MAX_TOKENS, int(need)))
+
+
+def new_automaton(cap: int, meta: np.ndarray, fill: bool = True) -> tuple:
+    """`buffers(cap, fill)` holding the automaton of the empty text (meta: its int64 [META_SIZE], set); with
+    fill=False its hash keys are still to be set to -1."""
+    bufs = buffers(cap, fill)
+    st = bufs[1]
+    K.init_automaton(st[0], st[1], st[2], st[3], meta)
+    return bufs
+
+
 def copy_buffers(old: tuple, new: tuple, meta: np.ndarray) -> None:
     """Copy the automaton described by meta from buffers `old` into larger, empty ones `new` (rehashed)."""
     n_tok, n_st, n_ed = int(meta[K.N_TOKENS]), int(meta[K.N_STATES]), int(meta[K.N_EDGES])
@@ -105,8 +122,8 @@ class SuffixIndex:
         self.extend(tokens)
 
     def _alloc(self, cap_tokens: int) -> None:
-        self._set(cap_tokens, buffers(cap_tokens), np.zeros(K.META_SIZE, np.int64))
-        K.init_automaton(self._slen, self._slink, self._sfirst, self._shead, self._meta)
+        meta = np.zeros(K.META_SIZE, np.int64)
+        self._set(cap_tokens, new_automaton(cap_tokens, meta), meta)
 
     def _set(self, cap_tokens: int, bufs: tuple, meta: np.ndarray) -> None:
         self._cap, self._buf, self._meta = cap_tokens, bufs, meta
@@ -118,20 +135,14 @@ class SuffixIndex:
     def bytes_for(cls, n_tokens: int) -> int:
         """Bytes an index over n_tokens tokens holds (its buffers start at 1024 tokens and double), without
         building one: what a server bounding many indexes reserves before it indexes a request."""
-        cap = 1024
-        while cap < n_tokens:
-            cap *= 2
-        return int(room_bytes(cap))
+        return int(room_bytes(room_for(1024, n_tokens)))
 
     def _grow(self, need_tokens: int) -> None:
         """Double the buffers until `need_tokens` fit; amortized O(1) per token.
 
         Exception safe: the new buffers are allocated, filled and rehashed aside and swapped in only
         when complete, so a MemoryError (or Ctrl-C) half way leaves the index as it was."""
-        cap = self._cap
-        while cap < need_tokens:
-            cap *= 2
-        cap = min(cap, max(MAX_TOKENS, need_tokens))
+        cap = room_for(self._cap, need_tokens)
         new = buffers(cap)
         copy_buffers(self._buf, new, self._meta)
         self._set(cap, new, self._meta)
@@ -175,20 +186,22 @@ class SuffixIndex:
     # only read, so one index serves any number of cursors; `new_cursor` gives a fresh one.
     @staticmethod
     def new_cursor() -> np.ndarray:
-        """A cursor at the empty match: int64 [4] (state, automaton match, occurrence end, occurrence match)."""
-        return np.array([0, 0, -1, 0], np.int64)
+        """A cursor at the empty match: int64 [5] (state, automaton match, occurrence end, occurrence match,
+        anchor)."""
+        return np.array([0, 0, -1, 0, -1], np.int64)
 
-    def follow(self, cursor: np.ndarray, tokens) -> None:
+    def follow(self, cursor: np.ndarray, tokens, window: int = 0) -> None:
         """Advance `cursor` (from `new_cursor`) over tokens of another text, in place.
 
         Afterwards cursor[3] is the length of the suffix of that text matched here and cursor[2]
-        the end position of that occurrence in `tokens` (-1 when none); the occurrence rule is the
-        one of `extend`. A cursor is only valid until this index is next extended.
+        the end position of that occurrence here (-1 when none); the occurrence rule is the one of
+        `extend` (re-synchronising within `window` tokens; 0: none). A cursor is only valid until this
+        index is next extended.
         """
         new = as_token_array(tokens)
         if new.size:
             K.follow(self._toks, len(self), self._slen, self._slink, self._sfirst, self._eto, self._hkey,
-                     self._hval, cursor, new)
+                     self._hval, cursor, new, window)
 
     def continuation(self, end: int, max_tokens: int, stop_ids: np.ndarray) -> np.ndarray:
         """The tokens after position `end`: int32 [d], d <= max_tokens, stopping before any id in

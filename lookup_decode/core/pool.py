@@ -30,6 +30,8 @@ proportion to the tokens that call brings anyway. `copied` counts the bytes ever
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +42,7 @@ from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
 from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match, corpus_thresholds
 from lookup_decode.core.draft import choose_source
-from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buffers, room_bytes
+from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buffers, new_automaton, room_bytes, room_for
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
@@ -51,13 +53,32 @@ MIGRATE_PER_TOKEN = 8              # and this much more per token the step appen
 _HASH_PER_WORK = 32
 
 
+def _drop_stale_cache() -> None:
+    """numba keys its disk cache of this module's kernels on this file alone, but `_step` compiles in the kernels of
+    automaton.py, acceptance.py and draft.py: after an edit of one of those it would load the old code. Drop this
+    module's cached kernels when those files changed (a digest kept beside the cache)."""
+    here = pathlib.Path(__file__).parent
+    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("automaton.py", "acceptance.py", "draft.py")))
+    stamp = here / "__pycache__" / "pool.deps"
+    try:
+        stamp.parent.mkdir(exist_ok=True)
+        if not stamp.exists() or stamp.read_text() != digest.hexdigest():
+            for f in stamp.parent.glob("pool.*.nb[ic]"):
+                f.unlink(missing_ok=True)
+            stamp.write_text(digest.hexdigest())
+    except OSError:                         # a read-only install: numba caches elsewhere, or not at all
+        pass
+
+
+_drop_stale_cache()
+
+
 def _warm_up(window: int) -> None:
     """Compile (or load) `automaton.extend` for the argument types `migrate` passes it, now: the first growth of
     a long context must not wait for numba inside an engine step."""
-    tok, st, ed, hk, hv = buffers(4, fill=False)
-    hk[:] = -1
     meta = np.zeros(K.META_SIZE, np.int64)
-    K.init_automaton(st[0], st[1], st[2], st[3], meta)
+    tok, st, ed, hk, hv = new_automaton(4, meta, fill=False)
+    hk[:] = -1
     src = np.array([1, 2, 1, 2], np.int32)
     K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
 
@@ -133,7 +154,7 @@ class IndexPool:
                 "prev_src": ((), np.int64, 0),                            # 0: the request; 1 + c: corpus c
                 "prev_end": ((), np.int64, -1),                           # corpus position the draft copied after
                 "prev_ver": ((), np.int64, -1),                           # that corpus's version then
-                "cursor": ((ROLES, 4), np.int64, 0),                      # per corpus role: a `SuffixIndex` cursor
+                "cursor": ((ROLES, 5), np.int64, 0),                      # per corpus role: a `SuffixIndex` cursor
                 "cursor_ver": ((ROLES,), np.int64, -1)}
         for name, (tail, dtype, fill) in spec.items():
             new = np.full((n,) + tail, fill, dtype)
@@ -152,14 +173,8 @@ class IndexPool:
             if self.slots == self.meta.shape[0]:
                 self._arrays(2 * self.slots)
             s, self.slots = self.slots, self.slots + 1
-        cap = FIRST_CAP
-        while cap < n_tokens:
-            cap *= 2
-        cap = min(cap, max(MAX_TOKENS, int(n_tokens)))
-        bufs = buffers(cap)
-        st = bufs[1]
-        K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
-        self.buffers[s], self.cap[s] = bufs, cap
+        cap = room_for(FIRST_CAP, n_tokens)
+        self.buffers[s], self.cap[s] = new_automaton(cap, self.meta[s]), cap
         self.bytes += int(room_bytes(cap))
         self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
@@ -189,11 +204,6 @@ class IndexPool:
         return room_bytes(self.cap[slots]) + room_bytes(extra)
 
     # -- growth -------------------------------------------------------------------------------------
-    def _next_cap(self, cap: int, need: int) -> int:
-        while cap < need:
-            cap *= 2
-        return min(cap, max(MAX_TOKENS, need))
-
     def growth(self, slots, more) -> np.ndarray:
         """int64 [r]: the bytes `reserve(slots, more)` would add to each slot (0 where its room suffices): a bigger
         room now, or the copy with twice the room that starts once a slot holds 3/4 of its room."""
@@ -227,18 +237,15 @@ class IndexPool:
             if n > c:
                 self._grow_now(s, n)
             elif s not in self.copies and c >= self.migrate_from and c < MAX_TOKENS:
-                bufs = buffers(2 * c, fill=False)
                 meta = np.zeros(K.META_SIZE, np.int64)
-                st = bufs[1]
-                K.init_automaton(st[0], st[1], st[2], st[3], meta)
-                self.copies[s] = _Copy(2 * c, bufs, meta)
+                self.copies[s] = _Copy(2 * c, new_automaton(2 * c, meta, fill=False), meta)
                 self.bytes += int(room_bytes(2 * c))
 
     def _grow_now(self, s: int, need: int) -> None:
         """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
         self.bytes -= int(self.nbytes([s])[0])
         self.copies.pop(s, None)
-        cap = self._next_cap(int(self.cap[s]), need)
+        cap = room_for(int(self.cap[s]), need)
         new = buffers(cap)
         copy_buffers(self.buffers[s], new, self.meta[s])
         self.copied += int(room_bytes(cap))
@@ -456,7 +463,7 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
             corpus = corpora[ci]
             cur = cursor[s, c]
             if cursor_ver[s, c] != versions[ci]:
-                cur[0], cur[1], cur[2], cur[3] = 0, 0, -1, 0
+                cur[0], cur[1], cur[2], cur[3], cur[4] = 0, 0, -1, 0, -1
                 tail = min(max_match, CURSOR_TAIL)
                 walk = matrix[rows[i], max(ends[i] - tail, 0): ends[i]]
                 cursor_ver[s, c] = versions[ci]
@@ -464,7 +471,7 @@ def _step(matrix, batch, buffers, state, corpora, rules, out):
                 walk = new
             if walk.shape[0] > 0 and corpus[1] > 0:
                 K.follow(corpus[0], corpus[1], corpus[2], corpus[3], corpus[4], corpus[5], corpus[6], corpus[7],
-                         cur, walk)
+                         cur, walk, window if c == lead else 0)
             lengths[1 + c] = _corpus_draft(corpus, cur, alone_min_match, limit, stops, scratch[c])
             matches[1 + c] = min(cur[3], max_match)
         # 3. Draft: every source's continuation, then the rule of `core.draft.choose_source`.

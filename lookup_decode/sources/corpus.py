@@ -116,8 +116,8 @@ class Corpus:
         with self._lock:
             yield self._index, self.version
 
-    def cursor(self, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()) -> "Cursor":
-        return Cursor(self, min_match=min_match, max_match=max_match, eos_token_ids=eos_token_ids)
+    def cursor(self, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), window: int = 0) -> "Cursor":
+        return Cursor(self, min_match=min_match, max_match=max_match, eos_token_ids=eos_token_ids, window=window)
 
     # -- writing (callers hold the lock) ---------------------------------------------------------
     def _tokens(self, tokens, what: str) -> np.ndarray:
@@ -313,13 +313,16 @@ class Cursor:
     """One request's view of a corpus: follows the request's tokens, drafts what followed them there.
 
     A `Drafter`: `extend(tokens)`, `propose(max_tokens) -> Draft`; `match_len` is the current match.
-    Occurrence rule: the index's (keep copying from the same place while it matches; else the earliest
-    occurrence of the longest suffix found in the corpus). Drafts stop before an EOS id and at the end
-    of an entry.
+    Occurrence rule: the index's (keep copying from the same place while it matches; else, with window > 0,
+    the occurrence nearest to where the copied place would have gone on, within window tokens — how a
+    request's prediction is followed through edits; else the earliest occurrence of the longest suffix found
+    in the corpus). Drafts stop before an EOS id and at the end of an entry.
     """
 
-    def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=()):
+    def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(),
+                 window: int = 0):
         self.min_match, self.max_match = check_match(min_match, max_match)
+        self.window = int(window)
         self.corpus = corpus
         self._stops = np.append(as_token_array(list(eos_token_ids), "eos_token_ids"), np.int32(SEPARATOR))
         self._tail = np.zeros(0, np.int32)     # the request's last tokens, for re-walking after a change
@@ -332,7 +335,7 @@ class Cursor:
         """Re-walk the tail if the corpus changed since this cursor last read it (caller holds the lock)."""
         if self._version != self.corpus.version:
             self._state = SuffixIndex.new_cursor()
-            self.corpus._index.follow(self._state, self._tail)
+            self.corpus._index.follow(self._state, self._tail, self.window)
             self._version = self.corpus.version
 
     def extend(self, tokens) -> None:
@@ -345,7 +348,7 @@ class Cursor:
             if self._version != self.corpus.version:
                 self._catch_up()
             else:
-                self.corpus._index.follow(self._state, new)
+                self.corpus._index.follow(self._state, new, self.window)
 
     def propose(self, max_tokens: int) -> Draft:
         if max_tokens < 0:

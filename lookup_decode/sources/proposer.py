@@ -36,18 +36,21 @@ class SourcesProposer:
     Args:
         request: the request's own proposer (a SuffixIndex, fed the prompt and emitted tokens).
         corpora: (name, Corpus) pairs in tie-break order, e.g. [("memory", m), ("references", r)].
-        min_match, max_match, eos_token_ids: as for SuffixIndex, applied to every corpus.
+        min_match, max_match, eos_token_ids: as for SuffixIndex, applied to every corpus; resync_window: as for
+            SuffixIndex, applied to the prediction (a corpus named PREDICTION).
     Attributes:
         drafts_from: Counter of steps whose draft came from each source.
         accepted_from: Counter of draft tokens accepted per source.
     """
 
     def __init__(self, request, corpora: list[tuple[str, Corpus]], *, min_match: int = 1, max_match: int = 64,
-                 eos_token_ids=(), corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH):
+                 eos_token_ids=(), corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
+                 resync_window: int = 64):
         self.names = [REQUEST] + [name for name, _ in corpora]
         self.corpus_min_match, alone = corpus_thresholds(min_match, max_match, corpus_min_match, alone_min_match)
-        self.sources = [request] + [c.cursor(min_match=alone, max_match=max_match, eos_token_ids=eos_token_ids)
-                                    for _, c in corpora]
+        # The prediction's cursor re-synchronises after an edit, as the request's own index does (resync_window).
+        self.sources = [request] + [c.cursor(min_match=alone, max_match=max_match, eos_token_ids=eos_token_ids,
+                                             window=resync_window if name == PREDICTION else 0) for name, c in corpora]
         self.drafts_from: Counter = Counter()
         self.accepted_from: Counter = Counter()
         self._last: tuple[int, np.ndarray] | None = None   # (source, tokens) of the last non-empty proposal
