@@ -29,7 +29,8 @@ and outputs identical to `none`'s. `rewrites`: the edits whose output keeps unde
 issue's goals (3x none and 1.5x suffix on NoFunEval, never slower than lookup_decode on rewrites) end NAME.md.
 `NAME.json` (every run) and `NAME.md` go to --out (benchmarks/results/fast_apply); the JSON is written after each
 server, so a run cut short keeps what it measured. The pure parts are tested without a server
-(tests/test_bench_fast_apply.py).
+(tests/test_bench_fast_apply.py). The same edits on transformers, in one process: benchmarks/e2e/fast_apply.py
+(it takes the workload from here: load_edits, messages, max_tokens).
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def load_edits(sets, n: int, max_file_tokens: int, count_tokens) -> list[dict]:
 
 def prompt(edit: dict) -> str:
     return f"{edit['instruction']}\n\n```{edit['lang']}\n{edit['file']}\n```\n\n{ASK}"
+
+
+def messages(edit: dict) -> list[dict]:
+    """The chat request of one edit: one user message, the prompt."""
+    return [{"role": "user", "content": prompt(edit)}]
 
 
 def max_tokens(edit: dict, cap: int) -> int:
@@ -159,8 +165,7 @@ def server(cmd: list[str], port: int, log: Path, env: dict):
 
 def ask(client, model: str, edit: dict, cap: int, predict: bool) -> dict:
     """One greedy chat completion: wall seconds, text, tokens, vLLM's spec metrics, the prediction counts."""
-    kw = dict(model=model, messages=[{"role": "user", "content": prompt(edit)}], temperature=0,
-              max_tokens=max_tokens(edit, cap))
+    kw = dict(model=model, messages=messages(edit), temperature=0, max_tokens=max_tokens(edit, cap))
     if predict:
         kw["prediction"] = {"type": "content", "content": edit["file"]}
     t = time.perf_counter()
