@@ -89,3 +89,11 @@ def test_edits_measured_side_by_side_summary_and_report(model):
     text = fa.markdown(result)
     assert "## rewrites (1 edits; prediction tokens 0 / 30)" in text and "| plain | " in text
     assert "| editeval | 0 | " in text and "| all |" in text and "left out" in text
+
+
+def test_a_rewrite_is_judged_on_what_the_budget_could_keep():
+    def rec(i, kept, file_tokens, budget):
+        return {"set": "nofuneval", "id": str(i), "accepted_prediction_tokens": kept, "file_tokens": file_tokens,
+                "max_new_tokens": budget}
+    records = [rec(0, 26, 356, 32), rec(1, 40, 100, 157), rec(2, 60, 100, 157)]
+    assert [r["id"] for r in fa.groups(records)["rewrites"]] == ["1"]      # 26 of 32 kept: a cut output, not a rewrite

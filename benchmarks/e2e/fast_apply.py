@@ -16,12 +16,13 @@ prediction=ids)`.
 Per edit, every variant runs --repeats times, interleaved (benchmarks.harness.loop.side_by_side), after one
 untimed warm-up run per variant; the median time counts. Greedy: every variant must give plain's tokens, and
 identity is recorded per edit. Per (group, variant), groups being each set, `rewrites` (edits whose plain output
-keeps under half of the file's tokens: accepted prediction tokens / file tokens < 0.5, OpenAI's definition as
-PredictedOutputs computes it) and `all`: tokens/s, the per-edit ratios against plain, prompt_lookup and
-lookup_decode (median, min-max) and the ratio of total throughputs, outputs identical to plain's, lookup_decode's
-mean accepted length, and the model forwards of every variant (counted by a forward hook). Writes
-DIR/results.json (environment, command, per-edit records; rewritten after every edit, so a run cut short keeps
-what it measured) and DIR/results.md. The pure parts are tested on a tiny model (tests/test_bench_e2e_fast_apply.py).
+keeps under half of the file's tokens, or of the edit's token budget when that is smaller: accepted prediction
+tokens as PredictedOutputs counts them, OpenAI's definition) and `all`: tokens/s, the per-edit ratios against
+plain, prompt_lookup and lookup_decode (median, min-max) and the ratio of total throughputs, outputs identical to
+plain's, lookup_decode's mean accepted length, and every variant's model forwards (a forward hook; the prefill
+included). Writes DIR/results.json (environment, command, per-edit records; rewritten after every edit, so a run
+cut short keeps what it measured) and DIR/results.md. The pure parts are tested on a tiny model
+(tests/test_bench_e2e_fast_apply.py).
 """
 
 from __future__ import annotations
@@ -129,15 +130,17 @@ def measure_edit(model, tokenizer, edit: dict, ids, prediction: list[int], optio
     rec["speedup_vs_lookup_decode"] = {PREDICTION: speedup((base["new_tokens"], base["seconds"]),
                                                            (rec["variants"][PREDICTION]["new_tokens"],
                                                             rec["variants"][PREDICTION]["seconds"]))}
-    rec.update(set=edit["set"], file_tokens=len(prediction),
+    rec.update(set=edit["set"], file_tokens=len(prediction), max_new_tokens=max_tokens(edit, cap),
                **prediction_counts(prediction, runs["plain"][0].tokens))
     return rec
 
 
 def groups(records: list[dict]) -> dict[str, list[dict]]:
-    """Each set's records, `rewrites` (plain's output keeps under REWRITE_SHARE of the file's tokens) and `all`."""
+    """Each set's records, `rewrites` (plain's output keeps under REWRITE_SHARE of the file's tokens, or of as many
+    as its token budget holds when that is fewer: a short smoke run cuts outputs, not edits) and `all`."""
     out = {name: [r for r in records if r["set"] == name] for name in dict.fromkeys(r["set"] for r in records)}
-    out["rewrites"] = [r for r in records if r["accepted_prediction_tokens"] < REWRITE_SHARE * r["file_tokens"]]
+    out["rewrites"] = [r for r in records if r["accepted_prediction_tokens"]
+                       < REWRITE_SHARE * min(r["file_tokens"], r["max_new_tokens"])]
     out["all"] = list(records)
     return {k: v for k, v in out.items() if v}
 
@@ -177,9 +180,10 @@ def markdown(result: dict) -> str:
              f"torch {env.get('torch')}, transformers {env.get('transformers')}, {env.get('cpu')}, torch threads "
              f"{env.get('torch_threads')}; {a['repeats']} timed repeat(s) per edit and variant (median), interleaved "
              "after an untimed warm-up; greedy. Ratios: median (min–max) of the per-edit tokens/s ratios; total: "
-             "all tokens / all seconds. Forwards: the model's forward calls (a hook), summed over the group's edits "
-             "(first repeat). Prediction tokens: the file's tokens that plain's output keeps (OpenAI's accepted / "
-             "rejected).", "", "Variants: " + "; ".join(f"`{d}`" for d in a["variant_descriptions"]), ""]
+             "all tokens / all seconds. Forwards: the model's forward calls, prefill included (a hook), summed "
+             "over the group's edits (first repeat). Prediction tokens: the file's tokens that plain's output keeps "
+             "(OpenAI's accepted / rejected).", "",
+             "Variants: " + "; ".join(f"`{d}`" for d in a["variant_descriptions"]), ""]
     for group, g in result["summary"].items():
         lines += [f"## {group} ({g['n']} edits; prediction tokens {g['accepted_prediction_tokens']} / "
                   f"{g['rejected_prediction_tokens']})", "",
