@@ -646,3 +646,22 @@ def test_model_arguments_and_their_meaning(monkeypatch):
         model.model_path(model.CODE_MODEL)
     monkeypatch.setattr(lookup_decode, "code_model", lambda: "/cache/qwen.gguf", raising=False)
     assert model.model_path(model.CODE_MODEL) == "/cache/qwen.gguf"
+
+
+def test_code_model_folder_for_vllm_is_exported_once(monkeypatch, tmp_path):
+    import lookup_decode
+    from benchmarks.harness import model
+    from lookup_decode.engines.hf import models
+    gguf = tmp_path / "qwen.gguf"
+    monkeypatch.setattr(lookup_decode, "code_model", lambda: gguf, raising=False)
+    exported = []
+
+    def export_hf(folder, path):
+        exported.append((folder, path))
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    monkeypatch.setattr(models, "export_hf", export_hf)
+    assert model.hf_folder(None) is None and model.hf_folder("/m") == "/m"
+    assert model.hf_folder(model.CODE_MODEL) == str(tmp_path / "qwen-hf")
+    assert model.hf_folder(model.CODE_MODEL) == str(tmp_path / "qwen-hf")
+    assert exported == [(tmp_path / "qwen-hf", gguf)]

@@ -1,11 +1,9 @@
-"""The real-engine benchmark's pure parts (benchmarks/vllm/engine.py, benchmarks/vllm/modelled.py): cells, the
+"""The real-engine benchmark's pure parts (benchmarks/vllm/engine.py, engine_report.py, modelled.py): cells, the
 seeded randomized order, the engine arguments and environment of each method, the medians, spreads and paired
 ratios, calibration tables, goals and tables computed from a fake result, and the modelled replay on synthetic
 outputs. No vLLM, no model, no wall-clock thresholds."""
 
 import json
-from collections import namedtuple
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -14,20 +12,25 @@ from benchmarks.vllm import bench as bench_vllm
 from benchmarks.vllm import engine as vllm_engine
 from benchmarks.vllm import modelled
 from benchmarks.vllm.engine import (
-    calibration_gap,
-    calibration_rows,
-    calibration_sum,
+    calibration_of,
+    calibration_since,
     child_env,
     engine_kwargs,
-    goals,
-    markdown,
     parse_cells,
     plan_cells,
     plan_jobs,
     speculative_config,
-    spread,
+)
+from benchmarks.vllm.engine_report import (
+    calibration,
+    calibration_total,
+    goal_lines,
+    goals,
+    markdown,
+    spread_of,
     summarize,
 )
+from lookup_decode.core.stats import Calibration
 
 # ------------------------------------------------------------------------------------------- cells and order
 
@@ -131,49 +134,31 @@ def test_engine_flags_parse_and_bench_vllm_hands_engine_over(monkeypatch):
 
 # ------------------------------------------------------------------------------------------- statistics
 
-def test_spread_median_range_and_quartiles():
-    assert spread([3.0, 1.0, 2.0, 5.0, 4.0]) == {"n": 5, "median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0}
-    assert spread([2.0]) == {"n": 1, "median": 2.0, "min": 2.0, "max": 2.0, "q1": None, "q3": None}
-    assert spread([None, 1.0, 3.0])["median"] == 2.0 and spread([]) is None
-
-
-Row = namedtuple("Row", "bin_low bin_high tokens predicted kept")
-
-
-class FakeStats:
-    def __init__(self, rows):
-        self.rows = rows
-
-    def calibration(self):
-        return self.rows
+def test_spread_of_leaves_out_missing_values():
+    assert spread_of([None, 1.0, 3.0])["median"] == 2.0 and spread_of([None]) is None
 
 
 class FakeDrafter:
-    def __init__(self, rows):
-        self.stats = FakeStats(rows)
+    def __init__(self, cal):
+        self.stats = type("Stats", (), {"reliability": cal})()
 
 
-def test_calibration_rows_differences_and_gap():
-    before = calibration_rows(FakeDrafter([Row(0.5, 0.6, 10, 0.55, 0.5)]))
-    after = calibration_rows(FakeDrafter([Row(0.5, 0.6, 40, 0.55, 0.65), Row(0.9, 1.0, 60, 0.95, 0.9)]))
-    assert before == [{"bin_low": 0.5, "bin_high": 0.6, "tokens": 10.0, "predicted": 0.55, "kept": 0.5}]
-    cell = calibration_sum([after, before], [1, -1])                           # what the cell added
-    assert [r["tokens"] for r in cell] == [30, 60]
-    assert cell[0]["kept"] == pytest.approx(0.7) and cell[0]["predicted"] == pytest.approx(0.55)
-    assert calibration_gap(cell) == pytest.approx(0.05)                         # the 60-token bin; 30 < 50 tokens
-    assert calibration_gap(cell, min_tokens=10) == pytest.approx(0.15)
-    assert calibration_rows(object()) is None and calibration_sum([None, None]) is None
-    @dataclass
-    class DataRow:
-        bin_low: float
-        bin_high: float
-        tokens: int
-        predicted: float
-        kept: float
-    assert calibration_rows(FakeDrafter([DataRow(0.5, 0.6, 10, 0.55, 0.5)])) == before
-    tuples = calibration_rows(FakeDrafter([(0.0, 0.1, 5, 0.05, 0.0)]))          # plain tuples, dicts, named tuples
-    assert tuples == calibration_rows(FakeDrafter([{"bin_low": 0.0, "bin_high": 0.1, "tokens": 5, "predicted": 0.05,
-                                                    "kept": 0.0}]))
+def test_calibration_of_a_cell_is_the_difference_and_reads_back_both_forms():
+    drafter = FakeDrafter(Calibration())
+    drafter.stats.reliability.observe([0.55] * 10, [True] * 5 + [False] * 5)
+    before = calibration_of(drafter)
+    drafter.stats.reliability.observe([0.55] * 30 + [0.95] * 60, [True] * 24 + [False] * 6 + [True] * 54 + [False] * 6)
+    assert before.tokens[5] == 10                                               # a copy: not moved by the cell
+    cell = calibration(calibration_since(calibration_of(drafter), before))     # what the cell added
+    rows = cell.rows()
+    assert [r.tokens for r in rows] == [30, 60]
+    assert rows[0].kept == pytest.approx(0.8) and rows[0].predicted == pytest.approx(0.55)
+    assert cell.error(50) == pytest.approx(0.05)                                # the 60-token bin; 30 < 50 tokens
+    assert calibration_of(object()) is None
+    old = [{"bin_low": 0.5, "bin_high": 0.6, "tokens": 30, "predicted": 0.55, "kept": 0.8}]   # results before
+    assert calibration(old).rows()[0] == pytest.approx(rows[0])
+    assert calibration_total([None, None]) is None
+    assert calibration_total([old, old]).rows()[0].tokens == 60
 
 
 # ------------------------------------------------------------------------------------------- summary and goals
@@ -284,7 +269,7 @@ def test_goals_met_not_met_and_whether_the_spread_tells_them_apart():
     g = {x["goal"]: x for x in goals(summarize(runs))}
     b1 = g["code edits >= 1.05x suffix at batch 1 (cold)"]
     assert b1["met"] is True and b1["clear"] is False
-    assert "within the spread" in [line for line in vllm_engine.goal_lines([b1])][0]
+    assert "within the spread" in [line for line in goal_lines([b1])][0]
 
 
 def test_goals_identical_outputs_fail_on_a_difference_and_without_drafts_kept():

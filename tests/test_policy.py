@@ -213,4 +213,18 @@ def test_sampled_rows_have_cells_of_their_own():
     draft = Draft(np.arange(1, 9, dtype=np.int32), 8)
     assert greedy.p_kept([draft], [0])[0][0] > 0.9
     # no sampled evidence: the measured root of the first position after an 8-token match, untouched by greedy's
-    assert sampled.p_kept([draft], [0])[0][0] == pytest.approx(A.ROOT_FIRST[bucket(8)])
+    assert sampled.p_kept([draft], [0])[0][0] == pytest.approx(A.DEFAULTS["root_first"][bucket(8)])
+
+
+def test_constants_are_passed_to_the_kernels():
+    """The acceptance model's constants are an argument (`acceptance.params`), never compiled in: another set of
+    them prices the same draft by them at once, and a wrong name is refused."""
+    draft = Draft(np.arange(1, 9, dtype=np.int32), 8)
+    root = [0.5] * A.N_BUCKETS
+    p = DraftPolicy(8, params=A.params(root_first=root, root_later=root)).p_kept([draft], [0])[0]
+    assert p[:3] == pytest.approx([0.5, 0.25, 0.125])
+    shallow = DraftPolicy(8, params=A.params(levels=1, rate_classes=0))
+    _stream(shallow, np.random.default_rng(0), 40, lambda j: 1.0)
+    assert shallow.p_kept([draft], [0])[0][0] > 0.9
+    with pytest.raises(ValueError, match="unknown acceptance parameters"):
+        A.params(forgett=0.5)

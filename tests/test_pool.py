@@ -257,3 +257,50 @@ def test_growth_reports_what_reserve_adds():
         pool.step(matrix, np.arange(2), slots, n, n + more, np.full(2, 8), n > 0)
         n = n + more
     assert pool.swaps > 0 and "copy" in seen
+
+
+def test_pool_prices_with_the_constants_it_is_given():
+    from lookup_decode.core import acceptance as A
+    root = [0.5] * A.N_BUCKETS
+    pool = IndexPool(4, params=A.params(root_first=root, root_later=root))
+    matrix = np.array([[5, 6, 7, 8, 9, 5, 6, 7]], np.int32)
+    got = pool.step(matrix, [0], [pool.add(8)], [0], [8], [4], [False])
+    assert got.lengths[0] == 4 and np.allclose(got.p_kept[0, :3], [0.5, 0.25, 0.125])
+
+
+def _edit_steps(lead: bool, k: int = 8) -> tuple[int, int]:
+    """(output tokens, steps) of a code edit replayed through the pool: the prompt holds the original file, the
+    output is the file with a 6-token line inserted every 24 tokens, and the request's prediction is that output,
+    in the prediction's role (lead) or as plain references. Each step emits the kept prefix and one more token."""
+    rng = np.random.default_rng(5)
+    file = rng.integers(3, 200, size=400).astype(np.int32)
+    pieces = []
+    for a in range(0, len(file), 24):
+        pieces += [file[a: a + 24], rng.integers(200, 400, size=6).astype(np.int32)]
+    output = np.concatenate(pieces)
+    prompt = np.concatenate([[1, 2, 1], file, [2, 1]]).astype(np.int32)
+    prediction = References()
+    prediction.register("prediction", tokens=output)
+    pool = IndexPool(k, max_match=16)
+    matrix = np.zeros((1, len(prompt) + len(output) + k + 2), np.int32)
+    matrix[0, : len(prompt)] = prompt
+    matrix[0, len(prompt)] = output[0]
+    s, start, end, done, steps = pool.add(0), 0, len(prompt) + 1, 1, 0
+    roles = np.array([[-1, -1, 0]]) if lead else np.array([[-1, 0, -1]])
+    while done < len(output):
+        with prediction.reading() as c:
+            got = pool.step(matrix, [0], [s], [start], [end], [min(k, len(output) - done - 1)], [start > 0], [c],
+                            row_corpora=roles)
+        kept = kept_prefix(got.tokens[0, : got.lengths[0]], output[done:])
+        emitted = output[done: done + kept + 1]
+        matrix[0, end: end + len(emitted)] = emitted
+        start, end, done, steps = end, end + len(emitted), done + len(emitted), steps + 1
+    return len(output), steps
+
+
+def test_a_prediction_leads_where_the_prompt_holds_the_file():
+    """The prediction's drafts lead: accepted lengths near K at every step. As plain references the same text loses
+    every tie of capped matches to the prompt's copy of the file, whose drafts break at each insertion."""
+    n, lead = _edit_steps(True)
+    _, plain = _edit_steps(False)
+    assert n / lead >= 0.8 * (8 + 1) and lead < plain, (n, lead, plain)

@@ -194,3 +194,16 @@ def test_prefill_chunks_show_the_slope_when_drafts_do_not():
     for _ in range(200):
         flat.observe(8, 0.05 + 0.001 * 8)
     assert flat.token_cost == 0.5                   # without them nothing shows the slope: the prior stands
+
+
+def test_a_measured_forward_curve_is_the_prior():
+    from lookup_decode.core.cost import CostCurve
+    from lookup_decode.core.step_cost import token_cost_of
+    line = CostCurve([1, 33], [1.1, 4.3], 33)                  # 1.0 + 0.1 w
+    assert token_cost_of(line) == pytest.approx(0.1)
+    # issue 32's bf16 curve of the 0.5B code model on this CPU: far below the cpu prior (135M, float32).
+    bf16 = CostCurve([1, 2, 4, 8, 16, 32], [1.0, 0.93, 0.84, 0.92, 1.13, 1.55], 33)
+    assert token_cost_of(bf16) < DEVICE_TOKEN_COST["cpu"] / 3
+    assert StepCost.for_device("cpu", curve=bf16).token_cost == pytest.approx(token_cost_of(bf16))
+    assert StepCost.for_device("cpu", curve=bf16, prior_token_cost=0.3).token_cost == 0.3
+    assert token_cost_of(CostCurve([1], [1.0], 1)) == 0.0

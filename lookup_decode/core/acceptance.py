@@ -29,9 +29,11 @@ Learning compares a row's *full* proposed draft with the tokens the step then em
 
 Everything is module-level `@njit` functions over plain arrays: `DraftPolicy` (core/policy.py) calls them from
 Python, `IndexPool`'s kernel (core/pool.py) from inside its compiled step, so both give the same probabilities for
-the same stream. (numba's on-disk cache of that kernel does not notice a change of the constants here: after
-editing one, delete lookup_decode/core/__pycache__/*.nbi.) How calibrated it is on recorded real outputs:
-`python -m benchmarks.replay.calibration` (benchmarks/results/calibration/).
+the same stream. The hand-set constants are one float64 array, `PARAMS` (`params(**overrides)` for another set),
+passed to every kernel: an edited constant is never a stale one compiled into numba's on-disk cache. (That cache
+does not notice an edit of the *code* of a function here that a kernel of another module calls, e.g. pool._step:
+after editing one, delete lookup_decode/core/__pycache__/*.nbi.) How calibrated it is on recorded real outputs, and
+what its levels earn: `python -m benchmarks.replay.calibration` (benchmarks/results/calibration/).
 """
 
 from __future__ import annotations
@@ -44,27 +46,53 @@ N_POS = 6                # position classes of draft token j: 0, 1, 2-3, 4-7, 8-
 N_RATE = 4               # copy-rate classes: no evidence yet, < 1/3, < 2/3, >= 2/3
 N_SOURCE = 3             # 0 the request, 1 + c corpus c (c < 2)
 N_TEMP = 3               # temperature classes: greedy (0), 0 < T < 1, T >= 1
-FORGET = 0.999           # per observation of a cell: the last ~1000 (a batch of 8 decides ~30 tokens a step)
-BACKOFF = 16.0           # a parent's estimate weighs as this many observations in its child cell
-REQUEST_WEIGHT = 32.0    # the pooled prediction weighs as this many tokens against a request's own
-REQUEST_FORGET = 0.98    # per decided position: a request's deviation follows its last ~50 decided tokens
-RATE_FORGET = 0.85       # per observed step: the copy rate follows the last few steps (~16 tokens)
-# The estimate above level 0, per match bucket, for the first draft position and for later ones (q, conditional
-# on the tokens before kept): what an engine that has seen nothing assumes. Measured by offline replay of the suffix
-# index on real large-model outputs (six sets; `python -m benchmarks.replay.drafts --measure-priors`,
-# benchmarks/results/replay/priors.md). Every level shrinks toward it, so a fresh engine (or a replay that starts
-# each request afresh) drafts as a copy-aware engine would, and its own evidence takes over cell by cell.
-ROOT_FIRST = np.array([0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99])
-ROOT_LATER = np.array([0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
+LEVELS = 4
+# The constants, by name (PARAMS holds them in this order, then ROOT_FIRST and ROOT_LATER):
+#   forget          per observation of a cell: the last ~1000 (a batch of 8 decides ~30 tokens a step)
+#   backoff         a parent's estimate weighs as this many observations in its child cell
+#   request_weight  the pooled prediction weighs as this many tokens against a request's own
+#   request_forget  per decided position: a request's deviation follows its last ~50 decided tokens
+#   rate_forget     per observed step: the copy rate follows the last few steps (~16 tokens)
+#   rate_low, rate_high   the copy-rate class boundaries
+#   levels          levels of cells used (4: all; fewer drops the deepest), the ablation's knob
+#   rate_classes    1: cells per copy-rate class; 0: one class (the ablation's knob)
+# ROOT_FIRST, ROOT_LATER: the estimate above level 0, per match bucket, for the first draft position and for later
+# ones (q, conditional on the tokens before kept): what an engine that has seen nothing assumes. Measured by offline
+# replay of the suffix index on real large-model outputs (six sets; `python -m benchmarks.replay.drafts
+# --measure-priors`, benchmarks/results/replay/priors.md). Every level shrinks toward it, so a fresh engine (or a
+# replay that starts each request afresh) drafts as a copy-aware engine would, and its own evidence takes over cell
+# by cell.
+DEFAULTS = dict(forget=0.999, backoff=16.0, request_weight=32.0, request_forget=0.98, rate_forget=0.85,
+                rate_low=1.0 / 3.0, rate_high=2.0 / 3.0, levels=4, rate_classes=1,
+                root_first=[0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99],
+                root_later=[0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
+(FORGET, BACKOFF, REQUEST_WEIGHT, REQUEST_FORGET, RATE_FORGET, RATE_LOW, RATE_HIGH, USE_LEVELS,
+ USE_RATE) = range(9)                              # indexes into a params array
+ROOT_FIRST, ROOT_LATER = 9, 9 + N_BUCKETS          # where each bucket's root starts
+
+
+def params(**overrides) -> np.ndarray:
+    """The model's constants as the kernels take them: float64 [9 + 2 N_BUCKETS], DEFAULTS with `overrides`.
+    Example: params(levels=3) drops the deepest level of cells."""
+    unknown = set(overrides) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown acceptance parameters {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    v = {**DEFAULTS, **overrides}
+    if not 1 <= v["levels"] <= LEVELS:
+        raise ValueError(f"levels must be in [1, {LEVELS}], got {v['levels']}")
+    scalars = [v[name] for name in list(DEFAULTS)[:9]]
+    return np.concatenate([np.array(scalars, np.float64), np.asarray(v["root_first"], np.float64),
+                           np.asarray(v["root_later"], np.float64)])
+
 
 # Cells per level and where each level starts in the one counts array.
-LEVELS = 4
 _L0 = N_TEMP * 2
 _L1 = N_TEMP * N_POS * N_RATE
 _L2 = _L1 * N_BUCKETS * 2
 _L3 = _L2 * 2 * N_SOURCE
 OFFSETS = np.array([0, _L0, _L0 + _L1, _L0 + _L1 + _L2], np.int64)
 N_CELLS = _L0 + _L1 + _L2 + _L3
+PARAMS = params()
 
 # A request's state, float64 [REQUEST_SIZE]: decayed copy-rate (kept, decided) and deviation (K, P, M, Q).
 RATE_KEPT, RATE_DECIDED, DEV_KEPT, DEV_PRED, DEV_MISSED, DEV_PRED_MISS = range(6)
@@ -107,14 +135,14 @@ def temperature_class(t):
 
 
 @njit(cache=True, nogil=True)
-def rate_class(request):
+def rate_class(request, params):
     """The request's copy-rate class from its state (float64 [REQUEST_SIZE])."""
-    if request[RATE_DECIDED] < 1.0:
+    if request[RATE_DECIDED] < 1.0 or params[USE_RATE] == 0.0:
         return 0
     r = request[RATE_KEPT] / request[RATE_DECIDED]
-    if r < 1.0 / 3.0:
+    if r < params[RATE_LOW]:
         return 1
-    return 2 if r < 2.0 / 3.0 else 3
+    return 2 if r < params[RATE_HIGH] else 3
 
 
 @njit(cache=True, nogil=True)
@@ -131,41 +159,44 @@ def _cells(temp, j, rate, b, past, branched, source, out):
 
 
 @njit(cache=True, nogil=True)
-def _pooled(counts, cells, j, b):
+def _pooled(counts, cells, j, b, params):
     """q of draft position j (match bucket b) from its cells, each level shrunk to its parent's estimate."""
-    q = ROOT_FIRST[b] if j == 0 else ROOT_LATER[b]
-    for level in range(LEVELS):
+    q = params[ROOT_FIRST + b] if j == 0 else params[ROOT_LATER + b]
+    backoff = params[BACKOFF]
+    for level in range(int(params[USE_LEVELS])):
         c = cells[level]
-        q = (counts[c, 0] + BACKOFF * q) / (counts[c, 1] + BACKOFF)
+        q = (counts[c, 0] + backoff * q) / (counts[c, 1] + backoff)
     return q
 
 
 @njit(cache=True, nogil=True)
-def _deviate(request, q):
+def _deviate(request, q, params):
     """q with its odds scaled by the request's own kept-vs-predicted evidence (shrunk toward the pool)."""
-    up = (request[DEV_KEPT] + REQUEST_WEIGHT) / (request[DEV_PRED] + REQUEST_WEIGHT)
-    down = (request[DEV_MISSED] + REQUEST_WEIGHT) / (request[DEV_PRED_MISS] + REQUEST_WEIGHT)
+    w = params[REQUEST_WEIGHT]
+    up = (request[DEV_KEPT] + w) / (request[DEV_PRED] + w)
+    down = (request[DEV_MISSED] + w) / (request[DEV_PRED_MISS] + w)
     return q * up / (q * up + (1.0 - q) * down)
 
 
 @njit(cache=True, nogil=True)
-def predict(counts, request, match_len, branched, source, temperature, d, out):
+def predict(counts, request, match_len, branched, source, temperature, d, out, params):
     """out[j] = P(draft tokens 0..j kept), j < d, for a draft of d tokens backed by a match of match_len tokens.
 
     counts: float64 [N_CELLS, 2], the pool; request: float64 [REQUEST_SIZE], the row's request; branched: 0/1;
-    source: 0 the request, 1 + c corpus c; temperature: the row's sampling temperature (0: greedy).
+    source: 0 the request, 1 + c corpus c; temperature: the row's sampling temperature (0: greedy); params: `PARAMS`
+    or another `params(...)`.
     """
     cells = np.empty(LEVELS, np.int64)
-    temp, rate, b = temperature_class(temperature), rate_class(request), bucket(match_len)
+    temp, rate, b = temperature_class(temperature), rate_class(request, params), bucket(match_len)
     p = 1.0
     for j in range(d):
         _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
-        p *= _deviate(request, _pooled(counts, cells, j, b))
+        p *= _deviate(request, _pooled(counts, cells, j, b, params), params)
         out[j] = p
 
 
 @njit(cache=True, nogil=True)
-def observe(counts, request, match_len, branched, source, temperature, decided, kept):
+def observe(counts, request, match_len, branched, source, temperature, decided, kept, params):
     """Learn from one step of one row: its full proposed draft (backed by match_len, branched, source, at the row's
     temperature) had `decided` = min(draft length, tokens emitted) positions comparable with what was emitted, of
     which the first `kept` matched. Positions 0..min(kept, decided - 1) were decided; updates the pool's cells, the
@@ -173,39 +204,42 @@ def observe(counts, request, match_len, branched, source, temperature, decided, 
     if decided <= 0:
         return
     cells = np.empty(LEVELS, np.int64)
-    temp, rate, b = temperature_class(temperature), rate_class(request), bucket(match_len)
+    temp, rate, b = temperature_class(temperature), rate_class(request, params), bucket(match_len)
+    forget, request_forget, rate_forget = params[FORGET], params[REQUEST_FORGET], params[RATE_FORGET]
     for j in range(min(kept + 1, decided)):
         _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
-        q = _pooled(counts, cells, j, b)
+        q = _pooled(counts, cells, j, b, params)
         hit = 1.0 if j < kept else 0.0
         for f in range(4):
-            request[DEV_KEPT + f] *= REQUEST_FORGET
+            request[DEV_KEPT + f] *= request_forget
         request[DEV_KEPT] += hit
         request[DEV_PRED] += q
         request[DEV_MISSED] += 1.0 - hit
         request[DEV_PRED_MISS] += 1.0 - q
-        for level in range(LEVELS):
+        for level in range(int(params[USE_LEVELS])):
             c = cells[level]
-            counts[c, 0] = counts[c, 0] * FORGET + hit
-            counts[c, 1] = counts[c, 1] * FORGET + 1.0
-    request[RATE_KEPT] = request[RATE_KEPT] * RATE_FORGET + kept
-    request[RATE_DECIDED] = request[RATE_DECIDED] * RATE_FORGET + decided
+            counts[c, 0] = counts[c, 0] * forget + hit
+            counts[c, 1] = counts[c, 1] * forget + 1.0
+    request[RATE_KEPT] = request[RATE_KEPT] * rate_forget + kept
+    request[RATE_DECIDED] = request[RATE_DECIDED] * rate_forget + decided
 
 
 @njit(cache=True, nogil=True)
-def predict_rows(counts, requests, rows, match_len, branched, source, temperature, lengths, out):
+def predict_rows(counts, requests, rows, match_len, branched, source, temperature, lengths, out, params):
     """`predict` for every row i of a step: request requests[rows[i]], its draft of lengths[i] tokens; out float64
     [r, >= max(lengths)] (zeros past each row's length)."""
     for i in range(rows.shape[0]):
         out[i, :] = 0.0
-        predict(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], lengths[i], out[i])
+        predict(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], lengths[i], out[i],
+                params)
 
 
 @njit(cache=True, nogil=True)
-def observe_rows(counts, requests, rows, match_len, branched, source, temperature, decided, kept):
+def observe_rows(counts, requests, rows, match_len, branched, source, temperature, decided, kept, params):
     """`observe` for every row of a step, in order."""
     for i in range(rows.shape[0]):
-        observe(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], decided[i], kept[i])
+        observe(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], decided[i], kept[i],
+                params)
 
 
 def buckets(match_lens: np.ndarray) -> np.ndarray:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The corpus rule of `sources.proposer.SourcesProposer` and `core.pool.IndexPool`: while the request has a draft of
-# its own, a corpus draft must rest on at least CORPUS_MIN_MATCH tokens; when it has none, ALONE_MIN_MATCH suffice
-# (chosen by offline replay: benchmarks/results/memory_replay/).
+# The corpus rule of `core.draft.choose_source` (for `sources.proposer.SourcesProposer` and `core.pool.IndexPool`):
+# while the request has a draft of its own, a corpus draft must rest on at least CORPUS_MIN_MATCH tokens; when it has
+# none, ALONE_MIN_MATCH suffice (chosen by offline replay: benchmarks/results/memory_replay/).
 CORPUS_MIN_MATCH = 4
 ALONE_MIN_MATCH = 2
 
@@ -33,6 +33,14 @@ def check_match(min_match, max_match) -> tuple[int, int]:
     if max_match < min_match:
         raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
     return min_match, max_match
+
+
+def corpus_thresholds(min_match: int, max_match: int, corpus_min_match: int = CORPUS_MIN_MATCH,
+                      alone_min_match: int = ALONE_MIN_MATCH) -> tuple[int, int]:
+    """(corpus, alone): the matches a corpus draft needs beside a draft of the request's own / without one, clamped
+    into [min_match, max_match] (alone <= corpus)."""
+    corpus = min(max(min_match, corpus_min_match), max_match)
+    return corpus, min(max(min_match, alone_min_match), corpus)
 
 
 @dataclass(frozen=True)

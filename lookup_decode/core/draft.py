@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numba import njit
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,6 +118,28 @@ def checked_rows(drafts: list, drafters: list, max_tokens: list[int], vocab: int
                 raise ValueError(f"{type(drafter).__name__}.propose() returned token ids outside the vocabulary "
                                  f"[0, {vocab}): min {int(draft.tokens.min())}, max {int(draft.tokens.max())}")
     return drafts
+
+
+@njit(cache=True, nogil=True)
+def choose_source(lengths, matches, corpus_min_match, lead):
+    """Which source's draft a step takes (the one rule of `SourcesProposer` and `IndexPool`), -1 when none drafts.
+
+    lengths, matches: int64 [sources], each source's draft length and the match behind it (capped at max_match);
+    source 0 is the request, 1 + c corpus c in tie-break order. lead: a source whose draft goes first whenever it
+    rests on at least corpus_min_match tokens (a request's prediction; -1: none). Otherwise the longest match among
+    the non-empty drafts wins, ties to the earlier source, and while the request has a draft of its own a corpus
+    draft needs corpus_min_match (a corpus is large: short matches there are often chance).
+    Example: lengths [3, 5], matches [2, 3], corpus_min_match 4, lead -1 -> 0 (the corpus match is too short).
+    """
+    if lead >= 0 and lengths[lead] > 0 and matches[lead] >= corpus_min_match:
+        return lead
+    best = -1
+    for i in range(lengths.shape[0]):
+        if lengths[i] == 0 or i > 0 and best == 0 and matches[i] < corpus_min_match:
+            continue
+        if best < 0 or matches[i] > matches[best]:
+            best = i
+    return best
 
 
 class Drafter(Protocol):

@@ -21,6 +21,43 @@ from lookup_decode.core.tokens import as_token_array
 MAX_TOKENS = (2**31 - 1 - 4) // 3
 
 
+# The layout of an index with room for c tokens (SuffixIndex, and each slot of core.pool.IndexPool): c token ids,
+# 4 x (2c + 2) state ints (length, suffix link, first end, first edge), 3 x (3c + 4) edge ints (token, target, next)
+# and a hash table (int64 keys, int32 values) of the smallest power of two >= 2 (3c + 4) slots.
+def layout(cap: int) -> tuple[int, int, int]:
+    """(states, edges, hash slots) of an index with room for cap tokens."""
+    edges = 3 * cap + 4
+    return 2 * cap + 2, edges, 1 << int(np.ceil(np.log2(2 * edges)))
+
+
+def room_bytes(cap) -> np.ndarray:
+    """int64: bytes the buffers (and meta) of indexes with room for cap tokens hold (0 where cap is 0)."""
+    cap = np.asarray(cap, np.int64)
+    edges = 3 * cap + 4
+    hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
+    return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+
+
+def buffers(cap: int, fill: bool = True) -> tuple:
+    """(tok, st, ed, hk, hv) of an index with room for cap tokens: int32 [cap], int32 [4, states], int32 [3, edges],
+    int64 and int32 [hash slots]. fill=False: uninitialized (hk must be set to -1 before use; the automaton writes
+    every other entry before it reads it), so that allocating costs no time: a freed block is reused from the heap,
+    where zeroing it would be O(room)."""
+    states, edges, hashes = layout(cap)
+    new = np.zeros if fill else np.empty
+    hk = np.full(hashes, -1, np.int64) if fill else np.empty(hashes, np.int64)
+    return new(cap, np.int32), new((4, states), np.int32), new((3, edges), np.int32), hk, new(hashes, np.int32)
+
+
+def copy_buffers(old: tuple, new: tuple, meta: np.ndarray) -> None:
+    """Copy the automaton described by meta from buffers `old` into larger, empty ones `new` (rehashed)."""
+    n_tok, n_st, n_ed = int(meta[K.N_TOKENS]), int(meta[K.N_STATES]), int(meta[K.N_EDGES])
+    new[0][:n_tok] = old[0][:n_tok]
+    new[1][:, :n_st] = old[1][:, :n_st]
+    new[2][:, :n_ed] = old[2][:, :n_ed]
+    K.rehash(new[1][3], new[2][0], new[2][2], n_st, new[3], new[4])
+
+
 class SuffixIndex:
     """Longest-suffix lookup over a growing sequence of token ids.
 
@@ -68,25 +105,14 @@ class SuffixIndex:
         self.extend(tokens)
 
     def _alloc(self, cap_tokens: int) -> None:
-        self.__dict__.update(self._buffers(cap_tokens))
+        self._set(cap_tokens, buffers(cap_tokens), np.zeros(K.META_SIZE, np.int64))
         K.init_automaton(self._slen, self._slink, self._sfirst, self._shead, self._meta)
 
-    @staticmethod
-    def _layout(cap_tokens: int) -> dict:
-        """name -> (dtype, length) of every buffer of an index with room for cap_tokens tokens."""
-        cap_states = 2 * cap_tokens + 2
-        cap_edges = 3 * cap_tokens + 4
-        cap_hash = 1 << int(np.ceil(np.log2(2 * cap_edges)))
-        return dict(_toks=(np.int32, cap_tokens), _slen=(np.int32, cap_states), _slink=(np.int32, cap_states),
-                    _sfirst=(np.int32, cap_states), _shead=(np.int32, cap_states), _etok=(np.int32, cap_edges),
-                    _eto=(np.int32, cap_edges), _enext=(np.int32, cap_edges), _hkey=(np.int64, cap_hash),
-                    _hval=(np.int32, cap_hash), _meta=(np.int64, K.META_SIZE))
-
-    @classmethod
-    def _buffers(cls, cap_tokens: int) -> dict:
-        buffers = {name: np.zeros(n, dtype) for name, (dtype, n) in cls._layout(cap_tokens).items()}
-        buffers["_hkey"][:] = -1
-        return dict(_cap=cap_tokens, **buffers)
+    def _set(self, cap_tokens: int, bufs: tuple, meta: np.ndarray) -> None:
+        self._cap, self._buf, self._meta = cap_tokens, bufs, meta
+        self._toks, st, ed, self._hkey, self._hval = bufs
+        self._slen, self._slink, self._sfirst, self._shead = st
+        self._etok, self._eto, self._enext = ed
 
     @classmethod
     def bytes_for(cls, n_tokens: int) -> int:
@@ -95,7 +121,7 @@ class SuffixIndex:
         cap = 1024
         while cap < n_tokens:
             cap *= 2
-        return sum(np.dtype(dtype).itemsize * n for dtype, n in cls._layout(cap).values())
+        return int(room_bytes(cap))
 
     def _grow(self, need_tokens: int) -> None:
         """Double the buffers until `need_tokens` fit; amortized O(1) per token.
@@ -105,13 +131,10 @@ class SuffixIndex:
         cap = self._cap
         while cap < need_tokens:
             cap *= 2
-        new = self._buffers(min(cap, max(MAX_TOKENS, need_tokens)))
-        for name in ("_toks", "_slen", "_slink", "_sfirst", "_shead", "_etok", "_eto", "_enext"):
-            src = getattr(self, name)
-            new[name][: src.shape[0]] = src
-        new["_meta"][:] = self._meta
-        K.rehash(new["_shead"], new["_etok"], new["_enext"], int(new["_meta"][K.N_STATES]), new["_hkey"], new["_hval"])
-        self.__dict__.update(new)
+        cap = min(cap, max(MAX_TOKENS, need_tokens))
+        new = buffers(cap)
+        copy_buffers(self._buf, new, self._meta)
+        self._set(cap, new, self._meta)
 
     def extend(self, tokens) -> None:
         """Append token ids (int [m]; list, numpy or torch) to the indexed text."""
@@ -125,6 +148,12 @@ class SuffixIndex:
             self._grow(len(self) + new.size)
         K.extend(self._toks, self._slen, self._slink, self._sfirst, self._shead, self._etok, self._eto,
                  self._enext, self._hkey, self._hval, self._meta, new, self.resync_window)
+
+    def arrays(self) -> tuple:
+        """What a kernel that reads this index takes (`core.pool`'s corpora): (toks, n, slen, slink, sfirst, eto,
+        hkey, hval, shead, enext), one tuple type for every index."""
+        return (self._toks, np.int64(len(self)), self._slen, self._slink, self._sfirst, self._eto, self._hkey,
+                self._hval, self._shead, self._enext)
 
     def propose(self, max_tokens: int) -> Draft:
         """The tokens that followed the matched earlier occurrence (int32 [d], 0 <= d <= max_tokens), with
@@ -190,4 +219,4 @@ class SuffixIndex:
 
     def nbytes(self) -> int:
         """Bytes held by the index buffers (capacity, not just the used part)."""
-        return sum(v.nbytes for v in self.__dict__.values() if isinstance(v, np.ndarray))
+        return int(room_bytes(self._cap))

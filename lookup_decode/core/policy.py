@@ -89,12 +89,15 @@ class DraftPolicy:
             target's probability of it, so it has cells of its own.
         counts: the pooled counts to learn into (`acceptance.new_counts()`), shared by every policy given the same
             array: an engine's evidence across calls (the transformers hook keeps one per model); None: a new pool.
+        params: the acceptance model's constants (`acceptance.params(...)`; None: `acceptance.PARAMS`).
     Attributes:
         last_p: float64 [r, max draft length] the probabilities the last `choose` priced its rows' drafts with.
     """
 
-    def __init__(self, k: int, cost=None, *, temperature: float = 0.0, counts: np.ndarray | None = None):
+    def __init__(self, k: int, cost=None, *, temperature: float = 0.0, counts: np.ndarray | None = None,
+                 params: np.ndarray | None = None):
         self.k = check_k(k)
+        self.params = A.PARAMS if params is None else params
         self.cost = cost
         self.temperature = float(temperature)
         self.counts = A.new_counts() if counts is None else counts
@@ -122,7 +125,7 @@ class DraftPolicy:
         rows = self._rows(len(drafts), rows)
         lengths = np.array([min(len(d.chain), self.k) for d in drafts], np.int64)
         out = np.zeros((len(drafts), int(lengths.max(initial=0))))
-        A.predict_rows(self.counts, self.requests, rows, *self._features(drafts), lengths, out)
+        A.predict_rows(self.counts, self.requests, rows, *self._features(drafts), lengths, out, self.params)
         return out
 
     def expected_table(self, drafts: list[Draft], max_d: int, rows=None) -> np.ndarray:
@@ -189,4 +192,4 @@ class DraftPolicy:
         chains = [d.chain for d in drafts]
         decided = np.array([min(len(c), len(e)) for c, e in zip(chains, emitted)], np.int64)
         kept = np.array([kept_prefix(c, e) for c, e in zip(chains, emitted)], np.int64)
-        A.observe_rows(self.counts, self.requests, rows, *self._features(drafts), decided, kept)
+        A.observe_rows(self.counts, self.requests, rows, *self._features(drafts), decided, kept, self.params)

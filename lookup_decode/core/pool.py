@@ -38,45 +38,23 @@ from numba.typed import List
 
 from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
-from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match
-from lookup_decode.core.index import MAX_TOKENS, SuffixIndex
+from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match, corpus_thresholds
+from lookup_decode.core.draft import choose_source
+from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buffers, room_bytes
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
+LEAD = 2                           # the role of the request's prediction: its drafts lead (core.draft.choose_source)
 FIRST_CAP = 1024                   # tokens of room a new slot starts with (as SuffixIndex)
 MIGRATE_WORK = 512                 # per step: tokens re-extended into growing copies (or 32 hash slots filled each)
 MIGRATE_PER_TOKEN = 8              # and this much more per token the step appends: a copy outpaces its slot's growth
 _HASH_PER_WORK = 32
 
 
-def _layout(cap: int) -> tuple[int, int, int]:
-    """(states, edges, hash slots) of a slot with room for cap tokens."""
-    edges = 3 * cap + 4
-    return 2 * cap + 2, edges, 1 << int(np.ceil(np.log2(2 * edges)))
-
-
-def _buffers_for(cap: int, fill: bool = True) -> tuple:
-    """(tok, st, ed, hk, hv) of a slot with room for cap tokens. fill=False: uninitialized (hk must be set to -1
-    before use; the automaton writes every other entry before it reads it), so that allocating costs no time: a
-    freed block is reused from the heap, where zeroing it would be O(room)."""
-    states, edges, hashes = _layout(cap)
-    new = np.zeros if fill else np.empty
-    hk = np.full(hashes, -1, np.int64) if fill else np.empty(hashes, np.int64)
-    return (new(cap, np.int32), new((4, states), np.int32), new((3, edges), np.int32), hk, new(hashes, np.int32))
-
-
-def _bytes_of(cap: np.ndarray) -> np.ndarray:
-    """int64: bytes the buffers of slots with room for cap tokens hold (0 where cap is 0)."""
-    cap = np.asarray(cap, np.int64)
-    edges = 3 * cap + 4
-    hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
-    return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
-
-
 def _warm_up(window: int) -> None:
     """Compile (or load) `automaton.extend` for the argument types `migrate` passes it, now: the first growth of
     a long context must not wait for numba inside an engine step."""
-    tok, st, ed, hk, hv = _buffers_for(4, fill=False)
+    tok, st, ed, hk, hv = buffers(4, fill=False)
     hk[:] = -1
     meta = np.zeros(K.META_SIZE, np.int64)
     K.init_automaton(st[0], st[1], st[2], st[3], meta)
@@ -102,24 +80,29 @@ class IndexPool:
         min_match, max_match, eos_token_ids, resync_window: as for `SuffixIndex`.
         corpus_min_match, alone_min_match: the corpus rule of `SourcesProposer` (a corpus draft needs this
             match while the request has a draft of its own / when it has none).
+        params: the acceptance model's constants (`acceptance.params(...)`; None: `acceptance.PARAMS`).
     The acceptance counts are pooled over every slot; a new slot deviates from them by its own evidence
     (`core.acceptance`).
     """
 
     def __init__(self, k: int, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), resync_window: int = 64,
-                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH):
+                 corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
+                 params: np.ndarray | None = None):
         self.k = int(k)
+        self.params = A.PARAMS if params is None else np.asarray(params, np.float64)
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
         self.stops = np.append(self.eos, np.int32(SEPARATOR))
         self.window = int(resync_window)
-        self.corpus_min_match = min(max(self.min_match, corpus_min_match), self.max_match)
-        self.alone_min_match = min(max(self.min_match, alone_min_match), self.corpus_min_match)
+        self.corpus_min_match, self.alone_min_match = corpus_thresholds(self.min_match, self.max_match,
+                                                                        corpus_min_match, alone_min_match)
+        self._rules = np.array([self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match,
+                                self.window, LEAD], np.int64)   # the kernel's (see _step)
         self.counts = A.new_counts()                        # the acceptance model's pool, every slot's evidence
         self.slots = 0                                      # slots ever allocated (arrays hold this many rows)
         self.free: list[int] = []
         self.meta = None
-        self._none = _buffers_for(1)                        # the buffers of a free slot
+        self._none = buffers(1)                        # the buffers of a free slot
         self.buffers = List()                               # per slot: (tok, st, ed, hk, hv)
         self.copies: dict[int, _Copy] = {}                  # slots being rebuilt with twice the room
         self._arrays(64)
@@ -130,10 +113,10 @@ class IndexPool:
         self.swaps = 0                                      # copies swapped in, ever
         _warm_up(self.window)
         self.buffers[0] = self.buffers[0]                  # numba compiles typed-list access on first use: now
-        self._out = _buffers(64, self.k)
-        empty_i = np.zeros(1, np.int32)
-        self._no_corpus = (empty_i, np.int64(0), empty_i, empty_i, empty_i, empty_i, np.full(1, -1, np.int64), empty_i,
-                           empty_i, empty_i)
+        self._out = _out_buffers(0, self.k)
+        self._views: dict = {}                              # r -> the first r rows of _out
+        self._out_of(64)
+        self._no_corpus = SuffixIndex().arrays()
         self._corpus_list = (None, None)                    # (key, numba List) of the corpora last stepped over
 
     # -- slot arrays ----------------------------------------------------------------------------------
@@ -173,11 +156,11 @@ class IndexPool:
         while cap < n_tokens:
             cap *= 2
         cap = min(cap, max(MAX_TOKENS, int(n_tokens)))
-        buffers = _buffers_for(cap)
-        st = buffers[1]
+        bufs = buffers(cap)
+        st = bufs[1]
         K.init_automaton(st[0], st[1], st[2], st[3], self.meta[s])
-        self.buffers[s], self.cap[s] = buffers, cap
-        self.bytes += int(_bytes_of(cap))
+        self.buffers[s], self.cap[s] = bufs, cap
+        self.bytes += int(room_bytes(cap))
         self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
         self.cursor[s] = SuffixIndex.new_cursor()
@@ -203,7 +186,7 @@ class IndexPool:
         """int64 [r]: bytes each slot holds (its room, as `SuffixIndex.nbytes` counts it, and a growing copy's)."""
         slots = np.asarray(slots, np.int64)
         extra = np.array([self.copies[s].cap if s in self.copies else 0 for s in slots.tolist()], np.int64)
-        return _bytes_of(self.cap[slots]) + _bytes_of(extra)
+        return room_bytes(self.cap[slots]) + room_bytes(extra)
 
     # -- growth -------------------------------------------------------------------------------------
     def _next_cap(self, cap: int, need: int) -> int:
@@ -223,46 +206,44 @@ class IndexPool:
         grow = np.flatnonzero(need > cap)                 # reserve grows these now (a copy is dropped)
         if len(grow):
             new = np.maximum(np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64)), cap[grow])
-            out[grow] = _bytes_of(new) - _bytes_of(cap[grow]) - _bytes_of(have[grow])
+            out[grow] = room_bytes(new) - room_bytes(cap[grow]) - room_bytes(have[grow])
         start = (need <= cap) & (have == 0) & (4 * need > 3 * cap) & (cap >= self.migrate_from) \
             & (cap < MAX_TOKENS)
-        out[start] = _bytes_of(2 * cap[start])
+        out[start] = room_bytes(2 * cap[start])
         return out
 
     def reserve(self, slots: np.ndarray, more: np.ndarray) -> None:
         """Room for `more[i]` more tokens in slot slots[i]: a slot past 3/4 of its room gets its bigger copy
         started (built by `migrate`), one that outgrows its room now grows now (amortized O(1) per token)."""
         need = self.meta[slots, K.N_TOKENS] + more
+        cap = self.cap[slots]
+        near = 4 * need > 3 * cap
+        if not near.any():
+            return
         if need.max(initial=0) > MAX_TOKENS:
             raise ValueError(f"a pool slot holds at most {MAX_TOKENS} tokens (int32 positions)")
-        cap = self.cap[slots]
-        for i in np.flatnonzero(4 * need > 3 * cap):
+        for i in np.flatnonzero(near):
             s, n, c = int(slots[i]), int(need[i]), int(cap[i])
             if n > c:
                 self._grow_now(s, n)
             elif s not in self.copies and c >= self.migrate_from and c < MAX_TOKENS:
-                buffers = _buffers_for(2 * c, fill=False)
+                bufs = buffers(2 * c, fill=False)
                 meta = np.zeros(K.META_SIZE, np.int64)
-                st = buffers[1]
+                st = bufs[1]
                 K.init_automaton(st[0], st[1], st[2], st[3], meta)
-                self.copies[s] = _Copy(2 * c, buffers, meta)
-                self.bytes += int(_bytes_of(2 * c))
+                self.copies[s] = _Copy(2 * c, bufs, meta)
+                self.bytes += int(room_bytes(2 * c))
 
     def _grow_now(self, s: int, need: int) -> None:
         """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
         self.bytes -= int(self.nbytes([s])[0])
         self.copies.pop(s, None)
         cap = self._next_cap(int(self.cap[s]), need)
-        old, meta = self.buffers[s], self.meta[s]
-        new = _buffers_for(cap)
-        n_tok, n_st, n_ed = int(meta[K.N_TOKENS]), int(meta[K.N_STATES]), int(meta[K.N_EDGES])
-        new[0][:n_tok] = old[0][:n_tok]
-        new[1][:, :n_st] = old[1][:, :n_st]
-        new[2][:, :n_ed] = old[2][:, :n_ed]
-        K.rehash(new[1][3], new[2][0], new[2][2], n_st, new[3], new[4])
-        self.copied += int(_bytes_of(cap))
+        new = buffers(cap)
+        copy_buffers(self.buffers[s], new, self.meta[s])
+        self.copied += int(room_bytes(cap))
         self.buffers[s], self.cap[s] = new, cap
-        self.bytes += int(_bytes_of(cap))
+        self.bytes += int(room_bytes(cap))
 
     def migrate(self, slots, work: int | None = None) -> None:
         """Advance the growing copies of `slots` by about `work` units in all (a token re-extended, or
@@ -291,9 +272,9 @@ class IndexPool:
                          self.buffers[s][0][c.done: c.done + m], self.window)
                 c.done += m
                 work -= m
-                self.copied += int(_bytes_of(c.cap) // c.cap) * m
+                self.copied += int(room_bytes(c.cap) // c.cap) * m
             if c.done == n:                     # the same tokens, so the same automaton: swap it in
-                self.bytes -= int(_bytes_of(int(self.cap[s])))
+                self.bytes -= int(room_bytes(int(self.cap[s])))
                 self.buffers[s], self.cap[s] = c.buffers, c.cap
                 self.meta[s] = c.meta
                 del self.copies[s]
@@ -310,60 +291,74 @@ class IndexPool:
         are what the engine emitted after the slot's last draft (False after a step the caller did not see:
         nothing is learned from them). corpora: (SuffixIndex, version) of shared read-only corpora
         (`Corpus.reading()`), any number. row_corpora: int [r, ROLES], the corpora (indices into `corpora`, -1: none)
-        row i reads, by role in tie-break order; a draft from role c has source 1 + c. A slot's role must name the
+        row i reads, by role in tie-break order; a draft from role c has source 1 + c; role LEAD is the request's
+        prediction, whose draft goes first while it rests on corpus_min_match tokens. A slot's role must name the
         same corpus at every call (its cursor follows that corpus; a new version is re-walked). None: every row
         reads corpora[c] as role c. temperatures: float [r], each row's sampling temperature (None: all greedy),
         priced in cells of its own.
         """
+        # Every array the kernel takes is the caller's or one kept from call to call: a numpy call here costs about
+        # a microsecond, the kernel's work for one row a few.
         rows, slots = np.asarray(rows, np.int64), np.asarray(slots, np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-        self.reserve(slots, ends - starts)
+        more = ends - starts
+        self.reserve(slots, more)
         if self.copies:
-            self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int((ends - starts).sum()))
+            self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int(more.sum()))
         r = len(rows)
-        if r > self._out.tokens.shape[0]:             # outputs live in buffers reused from call to call
-            self._out = _buffers(max(r, 2 * self._out.tokens.shape[0]), self.k)
-        b = self._out
-        out = Step(b.tokens[:r], b.lengths[:r], b.match[:r], b.source[:r], b.p_kept[:r], b.kept[:r], b.credit[:r])
-        out.kept[:] = -1
-        out.credit[:] = -1
-        corpora = list(corpora)
+        out = self._out_of(r)
         if row_corpora is None:
             if len(corpora) > ROLES:
                 raise ValueError(f"at most {ROLES} corpora without row_corpora, got {len(corpora)}")
-            row_corpora = np.full((r, ROLES), -1, np.int64)
-            row_corpora[:, :len(corpora)] = np.arange(len(corpora))
-        row_corpora = np.ascontiguousarray(row_corpora, np.int64)
-        if row_corpora.shape != (r, ROLES) or row_corpora.max(initial=-1) >= len(corpora):
-            raise ValueError(f"row_corpora must be int [{r}, {ROLES}] of indices into the {len(corpora)} corpora")
-        arrays = self._arrays_of([index for index, _ in corpora])
-        versions = np.array([version for _, version in corpora] or [-1], np.int64)
-        temps = np.zeros(r) if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
-        _step(matrix, rows, slots, starts, ends, np.minimum(np.asarray(limits, np.int64), self.k),
-              np.asarray(learn, np.bool_),
-              (self.buffers, self.meta, self.cap),
-              (self.counts, self.request, self.prev, self.prev_len, self.prev_match, self.prev_src, self.prev_end,
-               self.prev_ver, self.prev_branched, self.prev_temp), (self.cursor, self.cursor_ver),
-              arrays, versions, row_corpora, temps,
-              self.min_match, self.max_match, self.corpus_min_match, self.alone_min_match, self.eos, self.stops,
-              self.window, out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit)
+            row_corpora = self._roles[len(corpora)][:r]
+        else:
+            row_corpora = np.ascontiguousarray(row_corpora, np.int64)
+            if row_corpora.shape != (r, ROLES) or row_corpora.max(initial=-1) >= len(corpora):
+                raise ValueError(f"row_corpora must be int [{r}, {ROLES}] of indices into the {len(corpora)} corpora")
+        arrays, versions = self._corpora_arrays(corpora)
+        temps = self._greedy[:r] if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
+        _step(matrix, (rows, slots, starts, ends, np.asarray(limits, np.int64), np.asarray(learn, np.bool_), temps,
+                       row_corpora, versions),
+              self.buffers, self._state, arrays, self._kernel_rules,
+              (out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit))
         return out
 
+    def _out_of(self, r: int) -> "Step":
+        """The first r rows of the output buffers (reused from call to call), and the per-row defaults of that size."""
+        out = self._views.get(r)
+        if out is None:
+            if r > self._out.tokens.shape[0]:
+                n = max(r, 2 * self._out.tokens.shape[0])
+                self._out, self._views = _out_buffers(n, self.k), {}
+                self._greedy = np.zeros(n)
+                self._roles = [np.full((n, ROLES), -1, np.int64) for _ in range(ROLES + 1)]
+                for c in range(ROLES + 1):
+                    self._roles[c][:, :c] = np.arange(c)
+            b = self._out
+            out = self._views[r] = Step(b.tokens[:r], b.lengths[:r], b.match[:r], b.source[:r], b.p_kept[:r],
+                                        b.kept[:r], b.credit[:r])
+        return out
 
-    def _arrays_of(self, indexes: list) -> List:
-        """The kernel's list of corpus arrays, kept from call to call while the corpora are the same arrays of the
-        same lengths: building a numba List from Python costs ~0.1 ms, a tenth of a whole step."""
-        tuples = [_corpus_arrays(index) for index in indexes] or [self._no_corpus]
-        key = [(int(t[1]),) + tuple(id(a) for a in t if isinstance(a, np.ndarray)) for t in tuples]
+    @property
+    def _state(self) -> tuple:
+        """The per-slot arrays the kernel reads and writes (`_arrays` may replace them)."""
+        return (self.meta, self.cap, self.counts, self.request, self.prev, self.prev_len, self.prev_match,
+                self.prev_src, self.prev_end, self.prev_ver, self.prev_branched, self.prev_temp, self.cursor,
+                self.cursor_ver)
+
+    @property
+    def _kernel_rules(self) -> tuple:
+        return self._rules, self.eos, self.stops, self.params
+
+    def _corpora_arrays(self, corpora) -> tuple:
+        """The kernel's list of corpus arrays and their versions, kept from call to call while the corpora are the
+        same buffers of the same lengths (building a numba List from Python costs ~0.1 ms, a tenth of a step)."""
+        key = [(id(index._toks), len(index), version) for index, version in corpora]
         if key != self._corpus_list[0]:
-            self._corpus_list = (key, List(tuples))
+            tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]
+            versions = np.array([version for _, version in corpora] or [-1], np.int64)
+            self._corpus_list = (key, (List(tuples), versions))
         return self._corpus_list[1]
-
-
-def _corpus_arrays(index: SuffixIndex) -> tuple:
-    """The arrays of a corpus index the kernel reads (one tuple type for every corpus)."""
-    return (index._toks, np.int64(len(index)), index._slen, index._slink, index._sfirst, index._eto, index._hkey,
-            index._hval, index._shead, index._enext)
 
 
 @dataclass
@@ -379,15 +374,14 @@ class Step:
     credit: np.ndarray          # int64 [r, 3]: (source, corpus version, position) of the draft `kept` refers to
 
 
-def _buffers(r: int, k: int) -> Step:
+def _out_buffers(r: int, k: int) -> Step:
     k = max(k, 1)
     return Step(np.zeros((r, k), np.int32), np.zeros(r, np.int64), np.zeros(r, np.int64), np.zeros(r, np.int64),
                 np.zeros((r, k)), np.full(r, -1, np.int64), np.full((r, 3), -1, np.int64))
 
 
 @njit(cache=True, nogil=True)
-def _views(pool, s):
-    buffers, meta, cap = pool
+def _views(buffers, meta, cap, s):
     tok, st, ed, hk, hv = buffers[s]
     c = cap[s]
     states = 2 * c + 2
@@ -410,24 +404,36 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 
 @njit(cache=True, nogil=True)
-def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursors, corpora, versions, row_corpora,
-          temps, min_match, max_match, corpus_min_match, alone_min_match, eos, stops, window,
-          out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
-    counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp = policy
-    cursor, cursor_ver = cursors
+def _step(matrix, batch, buffers, state, corpora, rules, out):
+    """The kernel of `IndexPool.step`. batch: the call's per-row arrays and the corpora's versions; buffers: the
+    slots' automata (a typed list, passed on its own: inside a tuple numba's dispatch would type it in Python, ~30 us
+    a call); state: the per-slot arrays; rules: (min_match, max_match, corpus_min_match, alone_min_match, window,
+    lead role (-1: none)), eos, stops, the acceptance model's params; out: `Step`'s arrays."""
+    rows, slots, starts, ends, limits, learn, temps, row_corpora, versions = batch
+    (meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp,
+     cursor, cursor_ver) = state
+    ints, eos, stops, params = rules
+    min_match, max_match, corpus_min_match, alone_min_match, window, lead = (ints[0], ints[1], ints[2], ints[3],
+                                                                             ints[4], ints[5])
+    out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit = out
     k = out_tokens.shape[1]
-    scratch = np.zeros(k, np.int32)
+    roles = row_corpora.shape[1]
+    scratch = np.zeros((roles, k), np.int32)
+    lengths = np.zeros(1 + roles, np.int64)
+    matches = np.zeros(1 + roles, np.int64)
     # 1. Learn from the kept prefix of every row's previous full draft (DraftPolicy.observe_rows; SourcesProposer
     # credit), all rows before any drafts, as decode.step does.
     for i in range(rows.shape[0]):
         s = slots[i]
+        out_kept[i] = -1
+        out_credit[i, :] = -1
         new = matrix[rows[i], starts[i]: ends[i]]
         n = min(prev_len[s], new.shape[0])
         if learn[i] and n > 0:
             kept = 0
             while kept < n and prev[s, kept] == new[kept]:
                 kept += 1
-            A.observe(counts, request[s], prev_match[s], prev_branched[s], prev_src[s], prev_temp[s], n, kept)
+            A.observe(counts, request[s], prev_match[s], prev_branched[s], prev_src[s], prev_temp[s], n, kept, params)
             out_kept[i] = kept
             out_credit[i, 0] = prev_src[s]
             if prev_src[s] > 0:
@@ -437,11 +443,13 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
         s = slots[i]
         new = matrix[rows[i], starts[i]: ends[i]]
         # 2. Extend the request's index, and follow the new tokens over each corpus (re-walk after a change).
-        v = _views(pool, s)
+        v = _views(buffers, meta, cap, s)
         if new.shape[0] > 0:
             K.extend(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], new, window)
-        meta = v[10]
-        for c in range(row_corpora.shape[1]):
+        m_s = v[10]
+        limit = min(limits[i], k)
+        for c in range(roles):
+            lengths[1 + c], matches[1 + c] = 0, 0
             ci = row_corpora[i, c]
             if ci < 0:
                 continue
@@ -457,35 +465,26 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
             if walk.shape[0] > 0 and corpus[1] > 0:
                 K.follow(corpus[0], corpus[1], corpus[2], corpus[3], corpus[4], corpus[5], corpus[6], corpus[7],
                          cur, walk)
-        # 3. Draft: the request's own continuation, unless a corpus has a longer match (SourcesProposer's rule).
-        limit = limits[i]
-        d, m, src = 0, min(meta[K.MATCH_LEN], max_match), 0
-        br = 0
-        if meta[K.MATCH_LEN] >= min_match and limit > 0:
-            start = meta[K.MATCH_END] + 1
-            d = K.draft_length(v[0], meta[K.N_TOKENS], start, limit, eos)
+            lengths[1 + c] = _corpus_draft(corpus, cur, alone_min_match, limit, stops, scratch[c])
+            matches[1 + c] = min(cur[3], max_match)
+        # 3. Draft: every source's continuation, then the rule of `core.draft.choose_source`.
+        d, m, br = 0, min(m_s[K.MATCH_LEN], max_match), 0
+        if m_s[K.MATCH_LEN] >= min_match and limit > 0:
+            start = m_s[K.MATCH_END] + 1
+            d = K.draft_length(v[0], m_s[K.N_TOKENS], start, limit, eos)
             for j in range(d):
                 out_tokens[i, j] = v[0][start + j]
-            br = K.match_branched(v[2], v[4], v[7], meta)
-        best_d, best_m = d, m
-        for c in range(row_corpora.shape[1]):
-            ci = row_corpora[i, c]
-            if ci < 0:
-                continue
-            corpus = corpora[ci]
-            cur = cursor[s, c]
-            cd = _corpus_draft(corpus, cur, alone_min_match, limit, stops, scratch)
-            cm = min(cur[3], max_match)
-            if src == 0 and best_d > 0 and cm < corpus_min_match:
-                continue                            # short corpus matches count only when the request has nothing
-            if cd > 0 and (best_d == 0 or cm > best_m):
-                best_d, best_m, src = cd, cm, 1 + c
-                for j in range(cd):
-                    out_tokens[i, j] = scratch[j]
-                prev_end[s], prev_ver[s] = cur[2], versions[ci]
-                br = K.branched(corpus[8], corpus[9], cur[0])
-        if best_d == 0:
-            best_m = m                              # nothing to draft: the request's match, as SourcesProposer
+            br = K.match_branched(v[2], v[4], v[7], m_s)
+        lengths[0], matches[0] = d, m
+        src = max(choose_source(lengths, matches, corpus_min_match, -1 if lead < 0 else 1 + lead), 0)
+        best_d, best_m = lengths[src], matches[src]
+        if src > 0:
+            c = src - 1
+            for j in range(best_d):
+                out_tokens[i, j] = scratch[c, j]
+            ci, cur = row_corpora[i, c], cursor[s, c]
+            prev_end[s], prev_ver[s] = cur[2], versions[ci]
+            br = K.branched(corpora[ci][8], corpora[ci][9], cur[0])
         out_lengths[i], out_match[i], out_source[i] = best_d, best_m, src
         prev_len[s], prev_match[s], prev_src[s] = best_d, best_m, src
         prev_branched[s], prev_temp[s] = br, temps[i]
@@ -493,4 +492,4 @@ def _step(matrix, rows, slots, starts, ends, limits, learn, pool, policy, cursor
             prev[s, j] = out_tokens[i, j]
         # 4. The probability of each draft token being kept (the acceptance model, as DraftPolicy prices it).
         out_p[i, :] = 0.0
-        A.predict(counts, request[s], best_m, br, src, temps[i], best_d, out_p[i])
+        A.predict(counts, request[s], best_m, br, src, temps[i], best_d, out_p[i], params)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 CALIBRATION_BINS = 10                   # equal-width bins of predicted probability over [0, 1]
 
@@ -37,46 +38,42 @@ class Calibration:
     Each prediction is the probability that the token *and every draft token before it* are kept (what a row
     keeps is a prefix), so `observe_rows` marks the first `kept` tokens of each row's sent draft as kept.
     """
-    tokens: list[int] = field(default_factory=lambda: [0] * CALIBRATION_BINS)
-    predicted: list[float] = field(default_factory=lambda: [0.0] * CALIBRATION_BINS)
-    kept: list[int] = field(default_factory=lambda: [0] * CALIBRATION_BINS)
+    table: np.ndarray = field(default_factory=lambda: np.zeros((3, CALIBRATION_BINS)))  # tokens, predicted, kept
+
+    @property
+    def tokens(self) -> list[int]:
+        return [int(x) for x in self.table[0]]
+
+    @property
+    def predicted(self) -> list[float]:
+        return self.table[1].tolist()
+
+    @property
+    def kept(self) -> list[int]:
+        return [int(x) for x in self.table[2]]
 
     def observe(self, predicted, kept) -> None:
         """predicted: float [n], each sent token's probability of being kept; kept: bool [n], whether it was."""
-        p = np.clip(np.asarray(predicted, np.float64).ravel(), 0.0, 1.0)
-        if p.size == 0:
-            return
-        k = np.asarray(kept, np.bool_).ravel()
-        b = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
-        for i, (n, s, c) in enumerate(zip(np.bincount(b, minlength=CALIBRATION_BINS).tolist(),
-                                          np.bincount(b, weights=p, minlength=CALIBRATION_BINS).tolist(),
-                                          np.bincount(b, weights=k, minlength=CALIBRATION_BINS).tolist())):
-            self.tokens[i] += n
-            self.predicted[i] += s
-            self.kept[i] += int(round(c))
+        p = np.ascontiguousarray(predicted, np.float64).reshape(1, -1)
+        _observe(self.table, p, np.array([p.shape[1]], np.int64), np.ascontiguousarray(kept, np.bool_).reshape(1, -1),
+                 np.zeros(1, np.int64))
 
     def observe_rows(self, p_kept, sent, kept) -> None:
         """One step of several rows: p_kept float [r, >= max(sent)] (row i's predictions for its draft tokens),
-        sent int [r] (tokens of it sent), kept int [r] (of those, the prefix the target kept)."""
-        sent = np.asarray(sent, np.int64)
-        if sent.size == 0 or not sent.any():
-            return
-        p = np.asarray(p_kept, np.float64)[:, : int(sent.max())]
-        j = np.arange(p.shape[1])[None, :]
-        mask = j < sent[:, None]
-        self.observe(p[mask], (j < np.asarray(kept, np.int64)[:, None])[mask])
+        sent int [r] (tokens of it sent), kept int [r] (of those, the prefix the target kept). A compiled loop: an
+        engine calls this every step (numpy's masks and bincounts cost ~20 us a call)."""
+        p = np.asarray(p_kept, np.float64)
+        _observe(self.table, p if p.ndim == 2 else p.reshape(1, -1), np.asarray(sent, np.int64), _NO_FLAGS,
+                 np.asarray(kept, np.int64))
 
     def merge(self, other: "Calibration") -> None:
-        for i in range(CALIBRATION_BINS):
-            self.tokens[i] += other.tokens[i]
-            self.predicted[i] += other.predicted[i]
-            self.kept[i] += other.kept[i]
+        self.table += other.table
 
     def rows(self) -> list[CalibrationRow]:
         """The bins that hold tokens, lowest first."""
-        return [CalibrationRow(i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS, n,
-                               self.predicted[i] / n, self.kept[i] / n)
-                for i, n in enumerate(self.tokens) if n]
+        tokens, predicted, kept = self.table.tolist()
+        return [CalibrationRow(i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS, int(n), predicted[i] / n,
+                               kept[i] / n) for i, n in enumerate(tokens) if n]
 
     def error(self, min_tokens: int = 50) -> float:
         """The largest |mean predicted - share kept| over the bins holding at least min_tokens (0 when none)."""
@@ -89,6 +86,23 @@ class Calibration:
         worst = (f"worst gap {self.error(min_tokens):.2f}" if any(r.tokens >= min_tokens for r in rows)
                  else f"no bin holds {min_tokens} tokens yet")
         return f"calibration (predicted->kept, tokens): {bins or 'nothing sent'}; {worst}"
+
+
+_NO_FLAGS = np.zeros((1, 0), np.bool_)
+
+
+@njit(cache=True, nogil=True)
+def _observe(table, p_kept, sent, flags, kept):
+    """Add the first sent[i] predictions of each row i to their bins: kept where flags[i, j] (when flags has
+    columns), else where j < kept[i]."""
+    for i in range(sent.shape[0]):
+        for j in range(min(sent[i], p_kept.shape[1])):
+            p = min(max(p_kept[i, j], 0.0), 1.0)
+            b = min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+            table[0, b] += 1.0
+            table[1, b] += p
+            if flags[i, j] if flags.shape[1] else j < kept[i]:
+                table[2, b] += 1.0
 
 
 @dataclass

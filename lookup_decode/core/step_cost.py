@@ -37,6 +37,19 @@ def device_token_cost(kind: str) -> float:
     return DEVICE_TOKEN_COST.get(kind, DEVICE_TOKEN_COST[ACCELERATOR_KIND])
 
 
+def token_cost_of(curve, widest: int = 33) -> float:
+    """The token_cost (per token / fixed) of a measured forward-cost curve (`cost.CostCurve` of one row): the
+    least-squares line through its seconds at widths 1..widest, at least 0. A prior measured for this model,
+    dtype and device, where the device's prior is another regime's (the cpu one is a 135M model in float32).
+    Example: a curve of 1.0 + 0.1 w seconds -> 0.1 (fixed 1.0, 0.1 per token)."""
+    w = np.arange(1, min(widest, curve.max_w) + 1, dtype=np.float64)
+    y = np.array([curve(int(x)) for x in w])
+    if len(w) < 2:
+        return 0.0
+    slope, fixed = np.polyfit(w, y, 1)
+    return float(max(slope, 0.0) / fixed) if fixed > 0 else 0.0
+
+
 def _check_sizes(capture_sizes) -> tuple[int, ...]:
     sizes = tuple(sorted({int(s) for s in capture_sizes}))
     if not sizes or sizes[0] < 1:
@@ -96,11 +109,15 @@ never below nothing). padded(n) is n without
         self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
 
     @classmethod
-    def for_device(cls, kind: str, *, capture_sizes=None, prior_token_cost: float | None = None, **kwargs):
+    def for_device(cls, kind: str, *, capture_sizes=None, prior_token_cost: float | None = None, curve=None,
+                   **kwargs):
         """The step cost of a device kind ("cpu", "cuda"; others take the cuda prior, see `device_token_cost`).
         capture_sizes: the engine's CUDA graph sizes (ignored on "cpu", which runs no graphs); prior_token_cost:
-        a user's prior in place of the device's."""
-        prior = device_token_cost(kind) if prior_token_cost is None else prior_token_cost
+        a user's prior in place of the device's; curve: a forward-cost curve measured for this model, dtype and
+        device (`cost.CostCurve`), whose `token_cost_of` is the prior (a user's prior_token_cost still wins)."""
+        if prior_token_cost is None:
+            prior_token_cost = token_cost_of(curve) if curve is not None else device_token_cost(kind)
+        prior = prior_token_cost
         sizes = capture_sizes if str(kind).split(":")[0].lower() != "cpu" and capture_sizes else None
         return cls(prior, capture_sizes=sizes, **kwargs)
 

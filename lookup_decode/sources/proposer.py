@@ -3,15 +3,16 @@
 `SourcesProposer` is a `Drafter` (`extend`, `propose -> Draft`) that wraps one drafter per source:
 the request's own `SuffixIndex` and a `Cursor` per corpus.
 
-Choice rule, per step: every source proposes; among the non-empty drafts the one backed by the
-longest match wins (a longer matched suffix is stronger evidence, the same signal the draft policy
-buckets acceptance by); ties go to the more recent text: the request itself, then the memory (the
-model's own earlier outputs), then the reference documents. A corpus is large, so short matches
-there are often chance: while the request has a draft of its own, a corpus draft must rest on at
-least CORPUS_MIN_MATCH (4) tokens; when the request has none, ALONE_MIN_MATCH (2) suffice (chosen by
-offline replay: benchmarks/results/memory_replay/). The draft length is then chosen by
-the same `DraftPolicy` as without memory (from the winning match length and the measured forward
-cost), so a source whose drafts get rejected gets short or no verification, as any weak match does.
+Choice rule, per step: every source proposes, and `core.draft.choose_source` picks one (the rule every engine
+uses): among the non-empty drafts the one backed by the longest match wins; ties go to the more recent text: the
+request itself, then the memory (the model's own earlier outputs), then the reference documents; a corpus draft
+needs CORPUS_MIN_MATCH (4) tokens while the request has a draft of its own, ALONE_MIN_MATCH (2) when it has none.
+A request's prediction (a corpus named PREDICTION: the text its output is expected to repeat) leads: its draft goes
+first whenever it rests on CORPUS_MIN_MATCH tokens, ahead of any source that merely matches more of the recent
+tokens; where it stops matching, the other sources draft as before.
+The draft length is then chosen by the same `DraftPolicy` as without memory (from the winning match length and
+the measured forward cost), so a source whose drafts get rejected gets short or no verification, as any weak
+match does.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections import Counter
 
 import numpy as np
 
-from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH
-from lookup_decode.core.draft import Draft, kept_prefix
+from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, corpus_thresholds
+from lookup_decode.core.draft import Draft, choose_source, kept_prefix
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.sources.corpus import Corpus, Cursor
 
@@ -44,13 +45,14 @@ class SourcesProposer:
     def __init__(self, request, corpora: list[tuple[str, Corpus]], *, min_match: int = 1, max_match: int = 64,
                  eos_token_ids=(), corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH):
         self.names = [REQUEST] + [name for name, _ in corpora]
-        self.corpus_min_match = min(max(min_match, corpus_min_match), max_match)
-        alone = min(max(min_match, alone_min_match), self.corpus_min_match)
+        self.corpus_min_match, alone = corpus_thresholds(min_match, max_match, corpus_min_match, alone_min_match)
         self.sources = [request] + [c.cursor(min_match=alone, max_match=max_match, eos_token_ids=eos_token_ids)
                                     for _, c in corpora]
         self.drafts_from: Counter = Counter()
         self.accepted_from: Counter = Counter()
         self._last: tuple[int, np.ndarray] | None = None   # (source, tokens) of the last non-empty proposal
+        # The request's prediction leads: its draft goes first while it rests on corpus_min_match tokens.
+        self.lead = self.names.index(PREDICTION) if PREDICTION in self.names else -1
 
     def extend(self, tokens) -> None:
         if self._last is not None:
@@ -67,22 +69,16 @@ class SourcesProposer:
             source.extend(tokens)
 
     def propose(self, max_tokens: int) -> Draft:
-        """The draft of the source with the longest match (ties: earlier source)."""
-        best, best_src = None, -1
-        for i, source in enumerate(self.sources):
-            draft = source.propose(max_tokens)
-            if i == 0:
-                request = draft
-            if i > 0 and best_src == 0 and draft.match_len < self.corpus_min_match:
-                continue                        # short corpus matches only count when the request has nothing
-            if len(draft) and (best is None or draft.match_len > best.match_len):
-                best, best_src = draft, i
-        if best is None:
-            return request
-        self.drafts_from[self.names[best_src]] += 1
-        self._last = (best_src, best.tokens)
+        """The draft of the source `choose_source` picks (the request's empty draft when none drafts)."""
+        drafts = [source.propose(max_tokens) for source in self.sources]
+        best = choose_source(np.array([len(d) for d in drafts], np.int64),
+                             np.array([d.match_len for d in drafts], np.int64), self.corpus_min_match, self.lead)
+        if best < 0:
+            return drafts[0]
+        self.drafts_from[self.names[best]] += 1
+        self._last = (best, drafts[best].tokens)
         # The source is one of the acceptance model's cells: 0 the request, 1 + c corpus c (as IndexPool numbers it).
-        return dataclasses.replace(best, source=best_src) if best_src else best
+        return dataclasses.replace(drafts[best], source=best) if best else drafts[best]
 
 
 def check_sources(memory, references) -> list[tuple[str, Corpus]]:

@@ -28,7 +28,6 @@ import logging
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +73,6 @@ class Request:
     end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
     memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
     prediction: References | None = None   # its own corpus (lookup_decode_prediction)
-    own: bool = False                  # memory or prediction differ from the drafter's defaults
 
 
 @dataclass
@@ -90,7 +88,7 @@ class BatchDrafter:
 
     def __init__(self, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
                  vocab_size: int | None = None, eos_token_ids=(), memory: Memory | None = None,
-                 references: References | None = None, tokenizer=None, tokenizer_name: str | None = None,
+                 references: References | None = None, tokenizer=None,
                  saves: bool = True, replica: tuple[int, int] = (0, 1), device: str = "cpu"):
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -101,7 +99,7 @@ class BatchDrafter:
             raise ValueError(f"{ENV_PREFIX}K must be >= 1, got {settings.k}")
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.eos = tuple(int(e) for e in eos_token_ids)
-        self.tokenizer, self.tokenizer_name = tokenizer, tokenizer_name
+        self.tokenizer = tokenizer                  # the engine's (texts: references, predictions)
         self.stats = DrafterStats()
         # Tensor-parallel ranks hold the same memory: one writes it. Data-parallel replicas write their own files.
         self.keeper = Keeper(settings, self.stats, vocab_size=vocab_size, memory=memory, saves=saves,
@@ -115,6 +113,7 @@ class BatchDrafter:
         self.cost = StepCost.for_device(device, prior_token_cost=settings.draft_cost)
         self.budget: int | None = None              # the engine's token budget per step (chunked prefill)
         self._retire_every = max(1, settings.idle_steps // 4)
+        self._room_1024 = SuffixIndex.bytes_for(1024)   # the smallest index's bytes
         self.clock = time.perf_counter              # what step times are read from (a simulation sets its own)
         self._logged = self._shut = False
         self._fresh()
@@ -180,7 +179,8 @@ class BatchDrafter:
                 prefill = max(0, min(prefill, int(self.budget) - verified))
             self.cost.observe(verified, now - self._last, prefill_tokens=prefill)
         placed = self._within_bound(claim, r_counts)
-        if engine is not None and table.id_of:      # requests the engine no longer holds have finished
+        # Requests the engine no longer holds have finished (none has while every known one has a row here).
+        if engine is not None and len(table.id_of) > len(rows):
             for s in [s for s, rid in table.id_of.items() if rid not in engine.held]:
                 self._drop(s, "retired")
         rows, slots, ends = rows[placed], claim.slots[placed], r_counts[placed]
@@ -242,7 +242,8 @@ class BatchDrafter:
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
         kept_sent = np.minimum(kept, self.requests.sent[slots])
-        for i in np.flatnonzero(kept > 0).tolist():
+        credited = (kept > 0) & (step.credit[:, 0] > 0) if not self.records else kept > 0
+        for i in np.flatnonzero(credited).tolist():
             s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
             record = self.records.get(s)
             if record is not None and kept_sent[i]:
@@ -287,41 +288,29 @@ class BatchDrafter:
             record.memory = self.keeper.scope(args.scope, {id(self.records[o].memory) for o in self._own})
         if args.prediction is not None:
             record.prediction = self._prediction(request_id, args.prediction)
-        record.own = record.memory is not self.memory or record.prediction is not None
-        if record.own:
+        if record.memory is not self.memory or record.prediction is not None:
             self._own.add(s)
         self.requests.set_request(s, record.k, record.temperature, record.end)
 
     def _prediction(self, request_id: str, prediction) -> References | None:
         """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
         try:
-            tokenizer = self._tokenizer() if isinstance(prediction, str) else None
-            return prediction_of(prediction, tokenizer=tokenizer, vocab_size=self.vocab_size)
+            if isinstance(prediction, str) and self.tokenizer is None:
+                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
+                                 "token ids)")
+            return prediction_of(prediction, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         except (ValueError, TypeError, OSError) as e:
             self.stats.ignored += 1
             log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
                         request_args.PREDICTION, e)
             return None
 
-    def _tokenizer(self):
-        """The engine's tokenizer (loaded once, on the first text that needs it)."""
-        if self.tokenizer is None:
-            if self.tokenizer_name is None:
-                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
-                                 "token ids)")
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
-        return self.tokenizer
-
     def _load_references(self) -> References | None:
         path = self.settings.references
         if not path:
             return None
-        # Text files are tokenized with the engine's tokenizer.
-        tokenizer = self._tokenizer() if Path(path).suffix != ".npz" and self.tokenizer_name is not None \
-            else self.tokenizer
-        try:
-            return load_references(path, tokenizer=tokenizer, vocab_size=self.vocab_size)
+        try:                                        # text files are tokenized with the engine's tokenizer
+            return load_references(path, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         except (FileNotFoundError, ValueError) as e:
             raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
 
@@ -369,10 +358,15 @@ class BatchDrafter:
         """bool [r]: the rows whose index may take this call's tokens. Past the byte bound the requests not seen in
         this call go first; if that is not enough, the growing requests themselves are dropped (the largest growth
         first): their rows draft nothing until an index fits again."""
-        placed = claim.slots >= 0
+        placed, bound = claim.slots >= 0, self.settings.max_index_bytes
+        more = counts - claim.starts
+        # A slot's growth is at most its bytes doubled and the new tokens' room (twice): far below the bound, the
+        # exact sum (`IndexPool.growth`, O(rows) numpy calls) is not needed.
+        room = SuffixIndex.bytes_for(int(more.max())) if len(more) and more.max() > 1024 else self._room_1024
+        if 4 * (self.pool.bytes + len(more) * room) <= bound:
+            return placed
         growth = np.zeros(len(placed), np.int64)
-        growth[placed] = self.pool.growth(claim.slots[placed], counts[placed] - claim.starts[placed])
-        bound = self.settings.max_index_bytes
+        growth[placed] = self.pool.growth(claim.slots[placed], more[placed])
         if self._evict_idle(lambda: self.pool.bytes + int(growth.sum()) <= bound):
             return placed
         for j in np.argsort(-growth, kind="stable"):
@@ -397,10 +391,12 @@ class BatchDrafter:
         if no request seen is left unstored, the keeper writes memory_save at once."""
         table = self.requests
         ended = counts >= table.end[slots]
-        if len(self.eos) and len(rows):
-            ended |= np.isin(matrix[rows, counts - 1], self.eos)
-        for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
-            self._store(s, matrix[row, :n])
+        last = matrix[rows, counts - 1]
+        for e in self.eos:
+            ended |= last == e
+        if ended.any():
+            for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
+                self._store(s, matrix[row, :n])
         if absent:
             live = np.fromiter(table.live, np.int64, count=len(table.live))
             gone = live[table.last_seen[live] < self._call]

@@ -66,6 +66,21 @@ def _vllm_version() -> str:
     return str(getattr(module, "__version__", "")) if module is not None else ""
 
 
+def _tokenizer(name: str | None):
+    """The engine's tokenizer, loaded when the drafter is built (a request's text prediction is tokenized inside
+    an engine step, not the place to load it). One that cannot be loaded leaves texts unread (each request that
+    sends one says so; text references fail the start), never the engine."""
+    if name is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:                          # noqa: BLE001
+        log.warning("lookup_decode: the engine's tokenizer could not be loaded (%s): requests' text predictions "
+                    "are ignored (token ids still work)", e)
+        return None
+
+
 def _info(state) -> RequestInfo:
     """What vLLM's request state (`CachedRequestState`) tells of a request."""
     params = getattr(state, "sampling_params", None)
@@ -94,20 +109,11 @@ class LookupDrafter(BatchDrafter):
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", None) or "cpu"
         super().__init__(settings, spec.num_speculative_tokens, max_model_len=getattr(model_config, "max_model_len",
                          None), vocab_size=_vocab_size(model_config), eos_token_ids=eos,
-                         tokenizer_name=getattr(model_config, "tokenizer", None), saves=tp_rank == 0,
+                         tokenizer=_tokenizer(getattr(model_config, "tokenizer", None)), saves=tp_rank == 0,
                          replica=(dp_rank, dp_size), device=device)
         # vLLM settles its CUDA graph sizes when it captures them, after building the drafter: read at the first step.
         self._graphs = getattr(vllm_config, "compilation_config", None) if device != "cpu" else None
         self.budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
-        # A request's text prediction is tokenized inside an engine step: the tokenizer is loaded now, not there.
-        # One that cannot be loaded leaves text predictions unread (each such request says so), never the engine.
-        if self.tokenizer_name is not None and self.tokenizer is None:
-            try:
-                self._tokenizer()
-            except Exception as e:                  # noqa: BLE001
-                log.warning("lookup_decode: the engine's tokenizer could not be loaded (%s): requests' text "
-                            "predictions are ignored (token ids still work)", e)
-                self.tokenizer_name = None
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()

@@ -145,14 +145,10 @@ class Keeper:
             self.due, pending, snapshot = False, self.unsaved, self.memory.snapshot()
         self.write(snapshot, self.memory_save, pending)
 
-    def save(self, path=None) -> None:
-        """Write the memory to `path` (default: memory_save) now."""
-        path = path if path is not None else self.memory_save
-        if self.memory is None or path is None:
-            raise ValueError(f"no memory to save ({ENV_PREFIX}MEMORY is false)" if self.memory is None
-                             else "save_memory needs a path")
+    def save(self) -> None:
+        """Write the memory to memory_save now (`persists` only)."""
         with self.lock:
-            self.write(self.memory, path, self.unsaved)
+            self.write(self.memory, self.memory_save, self.unsaved)
 
     def write(self, memory: Memory, path, pending: int) -> None:
         """Save `memory` (the memory, or a snapshot of it) to path; `pending` stored outputs are then saved."""
