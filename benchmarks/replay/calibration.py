@@ -26,7 +26,6 @@ import argparse
 import numpy as np
 import torch
 
-from benchmarks.harness import workloads
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
 from lookup_decode.core.acceptance import new_counts, params
@@ -40,9 +39,6 @@ from lookup_decode.core.stats import Calibration, DecodeStats
 from lookup_decode.engines.replay import RecordedForward
 
 WORKLOADS = {"code_edit": "code edits", "cnn_dm": "summaries", "mt_bench_pld": "chat"}
-# Chat with real outputs: the MT-bench prompts of pld_outputs with Mistral-7B's greedy answers (Spec-Bench's mt_bench
-# rows have no reference output).
-workloads.WORKLOADS.setdefault("mt_bench_pld", lambda: workloads._pld("mt_bench_output.json", "mt_bench_pld"))
 COSTS = {"cpu": (0.103, 0.0116), "gpu": (0.007, 0.000032)}   # seconds: fixed per step, per verified token
 K = 8
 # The acceptance model and its ablations: acceptance.params overrides.
