@@ -1,9 +1,9 @@
 """A LookupDrafter whose work fails on some steps, for the failure test of the real engine
 (`speculative_config={"model": "vllm_faulty.FaultyDrafter", ...}`, tests/ on sys.path).
 
-`_propose` (the drafter's work, wrapped by the public `propose`) raises on its calls number FAIL_AT (1-based);
-`results` keeps the draft lengths the public `propose` returned on every call, so a test can check what the
-engine got on the failing steps.
+`_draft` (the drafter's work, wrapped by `BatchDrafter.draft`, which `propose` calls) raises on its calls number
+FAIL_AT (1-based); `results` keeps the draft lengths the public `propose` returned on every call, so a test can
+check what the engine got on the failing steps.
 """
 
 from lookup_decode.vllm import LookupDrafter
@@ -17,11 +17,11 @@ class FaultyDrafter(LookupDrafter):
         self.calls = 0
         self.results: list[list[int]] = []      # per propose call: draft length per row
 
-    def _propose(self, *args, **kwargs):
+    def _draft(self, *args, **kwargs):
         self.calls += 1
         if self.calls in FAIL_AT:
             raise RuntimeError(f"vllm_faulty: deliberate failure on call {self.calls}")
-        return super()._propose(*args, **kwargs)
+        return super()._draft(*args, **kwargs)
 
     def propose(self, *args, **kwargs):
         drafts = super().propose(*args, **kwargs)

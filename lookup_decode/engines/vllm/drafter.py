@@ -159,7 +159,7 @@ class LookupDrafter(BatchDrafter):
         matrix = _numpy(token_ids_cpu)
         if matrix.dtype != np.int32 or not matrix.flags.c_contiguous:
             matrix = np.ascontiguousarray(matrix, np.int32)
-        counts = _numpy(num_tokens_no_spec)[:B].astype(np.int64)
+        counts = _numpy(num_tokens_no_spec)[:B].astype(np.int64, copy=False)
         emitted = np.fromiter(map(len, sampled_token_ids), np.int64, count=B)
         runner = self._runner() if self._runner is not None else None
         engine = None
@@ -173,14 +173,9 @@ class LookupDrafter(BatchDrafter):
                 self.cost.use_capture_sizes(getattr(cc, "cudagraph_capture_sizes", None))
         out = self.draft(matrix, counts, emitted, engine)
         drafts: list[list[int]] = [[] for _ in range(B)]
-        has = out.lengths > 0
-        if has.any():
-            # One host list of every token sent, cut per row: vLLM wants list[list[int]].
-            lengths = out.lengths[has]
-            flat = out.tokens[has][np.arange(out.tokens.shape[1])[None, :] < lengths[:, None]].tolist()
-            ends = np.cumsum(lengths).tolist()
-            for i, a, b in zip(out.rows[has].tolist(), [0, *ends[:-1]], ends):
-                drafts[i] = flat[a:b]
+        for i, n, tokens in zip(out.rows.tolist(), out.lengths.tolist(), out.tokens.tolist()):
+            if n:                                   # vLLM wants list[list[int]]
+                drafts[i] = tokens[:n]
         return drafts
 
 

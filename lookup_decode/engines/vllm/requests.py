@@ -282,14 +282,14 @@ class RequestTable:
         return int(d[i, 2]), i
 
     # -- leaving --------------------------------------------------------------------------------------
-    def drop(self, s: int) -> tuple[np.ndarray, int]:
-        """Free slot s; returns its text and prompt length (-1: unknown) for the caller to remember."""
-        tokens, prompt = self.pool.tokens(s), int(self.prompt_len[s])
+    def drop(self, s: int) -> None:
+        """Free slot s, remembering its length and prompt length (a recomputed request gets them back)."""
+        n, prompt = int(self.pool.length([s])[0]), int(self.prompt_len[s])
         self._unfile(s)
         key = self.keys.pop(s, None)
         if prompt >= 0:
             i = self.dropped_n % DROPPED_KEPT
-            self.dropped[i], self.dropped_fp[i] = (len(tokens), 0, prompt), self.fp[s]
+            self.dropped[i], self.dropped_fp[i] = (n, 0, prompt), self.fp[s]
             if key is not None:
                 self.dropped_key[i] = key
             else:
@@ -303,7 +303,6 @@ class RequestTable:
                 self.dropped_ids.popitem(last=False)
         self.live.discard(s)
         self.pool.remove(s)
-        return tokens, prompt
 
     def idle(self, before: int) -> list[int]:
         """Live slots last seen at a call <= `before`, least recently seen first."""

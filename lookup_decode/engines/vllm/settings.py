@@ -38,16 +38,17 @@ class Settings:
         load at start (os.pathsep-separated; glob patterns allowed, e.g. every replica's `/shared/mem-*.npz`),
         made by `Memory.save` or by another replica's `memory_save`. False ("false", "off", "no", "0"): no
         memory at all.
-    memory_save: where this engine writes its memory: within `save_seconds` of an output entering it, every
-        `save_every` stored outputs, and when the process exits. "{replica}" in it becomes the data-parallel
-        rank; with several replicas and no "{replica}" the rank is added before the suffix. With memory_save
-        but no memory file yet, the memory starts empty.
+    memory_save: where this engine writes its memory: as soon as the batch empties (every output stored), within
+        `save_seconds` of an output entering it, every `save_every` stored outputs, and when the process exits.
+        "{replica}" in it becomes the data-parallel rank; with several replicas and no "{replica}" the rank is
+        added before the suffix. With memory_save but no memory file yet, the memory starts empty.
     memory_tokens: the memory's bound in tokens; past it the least recently useful outputs go. The default,
         250,000, keeps the index (its tokens and one separator per output) within room for 2**18 tokens: 42 MiB
         (~170 bytes per token); a rebuild after eviction then costs ~0.1 s off the step (`Memory.evict_aside`).
     save_seconds: memory_save is written at most this long after an output entered the memory (by a
         background thread, so a server that sits idle or is killed at shutdown has saved it); the thread
-        also stores the outputs of requests still known when the engine has made no step for IDLE_SECONDS.
+        also stores the outputs of requests still known when the engine has made no step for
+        `keeper.IDLE_SECONDS`, and then writes the file.
     references: a `References.save` file, or a folder of them and of text files (tokenized with the
         engine's tokenizer).
     max_scopes: memory scopes (a request's `lookup_decode_scope`) kept at once; past it the least recently used
