@@ -308,7 +308,7 @@ class SubstitutionKey:
 # * rows are scanned in parallel (numba prange) with max(1, cpu_count // 2 // tensor_parallel_size) threads, set
 #   around the call and restored, as vLLM does;
 # * defaults: prompt_lookup_min = prompt_lookup_max = 5 (vllm/config/speculative.py), k = num_speculative_tokens.
-# `VllmNgramProposer.propose` has the runner's signature, so `benchmarks.vllm.runner.SimRunner` drives it like
+# `VllmNgramProposer.propose` has the runner's signature, so `tests.sim_runner.SimRunner` drives it like
 # lookup_decode's drafter.
 
 @njit(cache=True, nogil=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness.baselines import VllmNgramProposer
+from benchmarks.harness.baselines import ArcticSuffix, VllmNgramProposer
 from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.engines.vllm.drafter import LookupDrafter, Settings
 from lookup_decode.measure import environment
@@ -117,42 +117,6 @@ def cost_markdown(rows, command) -> str:
 
 
 # -- replay -------------------------------------------------------------------------------------------
-class ArcticSuffix:
-    """ArcticInference's SuffixDecodingCache driven as vLLM's SuffixDecodingProposer drives it; request ids
-    and prompt lengths (which vLLM's proposer reads from its input batch) come from the simulated runner."""
-
-    def __init__(self, k: int, max_model_len: int, max_tree_depth: int = 24, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1, max_cached_requests: int = 10_000):
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-        self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
-        self.k, self.max_model_len, self.depth = k, max_model_len, max_tree_depth
-        self.factor, self.min_prob = max_spec_factor, min_token_prob
-        self.runner = None
-
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
-        out = []
-        for i, sampled in enumerate(sampled_token_ids):
-            n = int(num_tokens_no_spec[i])
-            if not sampled or n >= self.max_model_len:
-                out.append([])
-                continue
-            req = self.runner.rows[i]
-            rid = id(req)
-            if rid not in self.cache.active_requests:
-                if rid in self.cache.cached_requests:
-                    self.cache.evict_cached_response(rid)
-                self.cache.start_request(rid, token_ids_cpu[i, : len(req.prompt)])
-            self.cache.add_active_response(rid, sampled)
-            pattern = token_ids_cpu[i, max(0, n - self.depth): n]
-            draft = self.cache.speculate(rid, pattern, max_spec_tokens=min(self.k, self.max_model_len - n - 1),
-                                         max_spec_factor=self.factor, min_token_prob=self.min_prob)
-            out.append(list(draft.token_ids))
-        in_batch = {id(r) for r in self.runner.rows if r is not None}
-        for rid in list(self.cache.active_requests - in_batch):
-            self.cache.stop_request(rid)
-        return out
-
-
 def _run(make, pairs, max_num_reqs: int = 16) -> dict:
     requests = [SimRequest(p, o) for p, o in pairs if len(o) >= 2]
     max_len = max(len(r.prompt) + len(r.truth) for r in requests) + 64

@@ -66,7 +66,7 @@ def make_drafter(method: str, k: int, max_model_len: int, *, eos=(), lookup_conf
         return VllmNgramProposer(k, max_model_len, min_n=lo, max_n=5, max_num_seqs=max_num_reqs)
     if method == "suffix":
         try:
-            from benchmarks.vllm.bench import ArcticSuffix
+            from benchmarks.harness.baselines import ArcticSuffix
             return ArcticSuffix(k, max_model_len)
         except ImportError:
             return None
