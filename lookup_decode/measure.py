@@ -176,12 +176,14 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
     import numba
     import torch
     import transformers
+
+    from lookup_decode.engines.hf.models import bf16_native
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "numba": numba.__version__, "numpy": np.__version__, "lookup_decode": lookup_decode.__version__,
            "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": _cpu_count(),
            "torch_threads": torch.get_num_threads(), "threads_flag": threads, "device": device,
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-           "command": command_line()}
+           "bf16_native": bf16_native(device), "command": command_line()}
     if model is not None:
         if model_path is None:
             from lookup_decode.engines.hf.models import default_gguf

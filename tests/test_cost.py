@@ -144,3 +144,19 @@ def test_batch_calibration_times_the_grid_and_follows_it(tiny_llama, tmp_path):
     assert cost.rows == 16 and all(np.isclose(cost(w), 1 + 0.5 * w) for w in range(1, 34))
     # Each batch call gets its own copy (its scale is its own); one sequence shares the live curve.
     assert costs.curve(tiny_llama, 33, None, rows=16) is not cost
+
+
+@pytest.mark.parametrize("regime, q, chosen", [
+    ("bf16", 0.9, range(16, 18)), ("bf16", 0.2, range(2, 6)),  # 16 tokens at 1.13x one: long drafts; 4 cost < 1
+    ("fp32", 0.2, [1])])                                      # float32: a weak draft is not worth a forward
+def test_the_timed_curve_sets_the_draft_length(regime, q, chosen):
+    """Issue 32's measured curves (relative seconds of one forward over n tokens, 0.5B, 2 threads, this CPU),
+    timed as a cold start times them, priced by the draft policy for a draft whose tokens are each kept with
+    probability q. The model-size prior this replaced priced the bf16 16-token forward at 1.49x and chose 8."""
+    from lookup_decode.core.draft import Draft
+    from lookup_decode.core.policy import DraftPolicy
+    widths = [1, 2, 4, 8, 16, 32]
+    rel = {"bf16": [1.0, 0.93, 0.84, 0.92, 1.13, 1.55], "fp32": [1.0, 1.99, 1.63, 1.56, 1.86, 2.60]}[regime]
+    curve = CostCurve.from_timings(lambda w: float(np.interp(w, widths, rel)), 33)
+    p = np.cumprod(np.full((1, 32), q), axis=1)
+    assert DraftPolicy(32, curve).choose([Draft(np.arange(32), 4)], p=p) in chosen

@@ -91,20 +91,33 @@ def code_model():
     return models.load_model(path, dtype=torch.bfloat16)
 
 
+def differences_are_near_ties(model, ids, options, max_new_tokens=128):
+    """Plain greedy vs lookup decoding (a flat cost curve: a calibration timed on a busy machine could price every
+    draft out and leave nothing verified) on prompt ids [1, T]; the first difference must be a near-tie and drafts
+    must have been accepted. Returns the classified difference (None: identical)."""
+    plain = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    stats = lookup_decode.DecodeStats()
+    costs = lookup_decode.CostModel("off")
+    costs.curve(model, 33, lambda w: 0.08 * (1 + 0.01 * (w - 1)))
+    hook = lookup_decode.lookup_decoding(stats=stats, costs=costs, **options)
+    got = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, custom_generate=hook)
+    d = ties.classify(model, ids[0], plain[0, ids.shape[1]:], got[0, ids.shape[1]:])
+    assert d is None or d.near_tie, d
+    assert stats.accepted > 0
+    return d
+
+
+def test_the_end_to_end_check_runs_on_a_tiny_bf16_model():
+    model = tiny_models.build("qwen2", dtype=torch.bfloat16)
+    for options in ({}, {"adaptive": False, "k": 16}):
+        differences_are_near_ties(model, repetitive_prompt(2, length=16), dict(options, min_match=1),
+                                  max_new_tokens=40)
+
+
 @pytest.mark.code_model
 @pytest.mark.parametrize("options", [{}, {"adaptive": False, "k": 16}], ids=["default", "k16-every-draft"])
 @pytest.mark.parametrize("name, messages", _code_edits(), ids=[n for n, _ in _code_edits()])
 def test_code_model_bf16_differs_only_at_near_ties(code_model, name, messages, options):
     torch.set_num_threads(2)
     model, tokenizer = code_model
-    ids = models.chat_ids(tokenizer, messages)
-    plain = model.generate(ids, max_new_tokens=128, do_sample=False)
-    stats = lookup_decode.DecodeStats()
-    # A flat cost curve: a calibration timed on a busy machine could price every draft out (nothing verified).
-    costs = lookup_decode.CostModel("off")
-    costs.curve(model, 33, lambda w: 0.08 * (1 + 0.01 * (w - 1)))
-    got = model.generate(ids, max_new_tokens=128, do_sample=False, custom_generate=lookup_decode.generate,
-                         stats=stats, costs=costs, **options)
-    d = ties.classify(model, ids[0], plain[0, ids.shape[1]:], got[0, ids.shape[1]:])
-    assert d is None or d.near_tie, f"{name}: {d}"
-    assert stats.accepted > 0
+    differences_are_near_ties(model, models.chat_ids(tokenizer, messages), options)
