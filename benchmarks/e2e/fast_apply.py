@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from benchmarks.e2e.generate import prompt_record
 from benchmarks.harness import report
 from benchmarks.harness.loop import side_by_side
-from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.vllm.fast_apply import REWRITE_SHARE, SETS, load_edits, max_tokens, median_range, messages, number
@@ -201,9 +201,7 @@ def markdown(result: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.fast_apply", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(ap)
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
-    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    add_model_arguments(ap, device=True)
     ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     ap.add_argument("--requests", type=int, default=8, help="edits per set")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per edit and variant (median)")
@@ -220,10 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    torch.set_num_threads(args.threads)
+    device = device_of(args)
     options = {} if args.k is None else {"k": args.k}
     t = time.perf_counter()
     model, tokenizer = load_model(args, device)

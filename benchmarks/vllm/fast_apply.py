@@ -316,12 +316,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     from openai import OpenAI
@@ -338,7 +332,9 @@ def main(argv=None) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     args.out.mkdir(parents=True, exist_ok=True)
     for method, runs in schedule.items():
-        port = _free_port()
+        with socket.socket() as s:                # a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         t = time.perf_counter()
         with server(server_command(args, method, port), port, args.out / f"{args.name}_{method}.log", env) as url:
             result["servers"][method] = {"start_s": time.perf_counter() - t}
