@@ -25,7 +25,7 @@ from tqdm import tqdm
 from benchmarks.harness import workloads
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline
-from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from lookup_decode.core.stats import DecodeStats
@@ -141,9 +141,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_arguments(ap)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_arguments(ap, device=True)
     ap.add_argument("--workloads", nargs="+", default=["code_edit", "summarization", "mt_bench"],
                     choices=list(workloads.WORKLOADS))
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 8, 16])
@@ -154,10 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "batch"))
     args = ap.parse_args(argv)
 
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    torch.set_num_threads(args.threads)
+    device = device_of(args)
     model, tokenizer = load_model(args, device)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -28,6 +28,7 @@ cut short keeps what it measured) and DIR/results.md. The pure parts are tested 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -36,10 +37,10 @@ from types import SimpleNamespace
 from benchmarks.e2e.generate import prompt_record
 from benchmarks.harness import report
 from benchmarks.harness.loop import side_by_side
-from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
-from benchmarks.vllm.fast_apply import REWRITE_SHARE, SETS, load_edits, max_tokens, messages
+from benchmarks.vllm.fast_apply import REWRITE_SHARE, SETS, load_edits, max_tokens, median_range, messages, number
 from lookup_decode.engines.vllm.predicted_outputs import prediction_counts
 from lookup_decode.measure import (
     PLAIN,
@@ -73,21 +74,16 @@ def describe(options: dict) -> list[str]:
             f"{PREDICTION} ({shown + ', ' if shown else ''}prediction=the file)"]
 
 
-class Forwards:
-    """Counts the model's forwards (a forward hook on the model, the same for every variant) while in a `with`."""
-
-    def __init__(self, model):
-        self.model, self.n = model, 0
-
-    def __enter__(self):
-        self.handle = self.model.register_forward_hook(self._count)
-        return self
-
-    def _count(self, *_):
-        self.n += 1
-
-    def __exit__(self, *exc):
-        self.handle.remove()
+@contextlib.contextmanager
+def forwards(model):
+    """Counts the model's forwards while in the block (a forward hook, the same for every variant): yields a list
+    whose one item is the count."""
+    n = [0]
+    handle = model.register_forward_hook(lambda *_: n.__setitem__(0, n[0] + 1))
+    try:
+        yield n
+    finally:
+        handle.remove()
 
 
 def encode(tokenizer, edit: dict):
@@ -114,18 +110,18 @@ def measure_edit(model, tokenizer, edit: dict, ids, prediction: list[int], optio
     lookup_decode's stats, ratios against plain and prompt_lookup), plus the ratios against lookup_decode, each
     variant's model forwards, the edit's file tokens and the prediction counts of plain's output."""
     by_name = variants(prediction, options)
-    forwards: dict[str, list[int]] = {}
+    counts: dict[str, list[int]] = {}
 
     def run(name):
-        with Forwards(model) as f:
+        with forwards(model) as n:
             got = run_variant(model, ids, by_name[name], max_tokens(edit, cap))
-        forwards.setdefault(name, []).append(f.n)
+        counts.setdefault(name, []).append(n[0])
         return got
 
     runs = side_by_side(NAMES, run, repeats, offset=offset, progress=progress)
     rec = prompt_record(SimpleNamespace(category=edit["set"], id=edit["id"]), ids, runs, NAMES, tokenizer)
     for name in NAMES:
-        rec["variants"][name]["forwards"] = forwards[name][0]
+        rec["variants"][name]["forwards"] = counts[name][0]
     base = rec["variants"]["lookup_decode"]
     rec["speedup_vs_lookup_decode"] = {PREDICTION: speedup((base["new_tokens"], base["seconds"]),
                                                            (rec["variants"][PREDICTION]["new_tokens"],
@@ -163,16 +159,6 @@ def summarize(records: list[dict]) -> dict:
     return table
 
 
-def _x(s: dict | None) -> str:
-    if not s or not s.get("n"):
-        return "—"
-    return f"×{s['median']:.2f}" + (f" ({s['min']:.2f}–{s['max']:.2f})" if s["n"] > 1 else "")
-
-
-def _f(value, fmt: str) -> str:
-    return "—" if value is None else fmt.format(value)
-
-
 def markdown(result: dict) -> str:
     env, a = result["environment"], result["settings"]
     lines = [f"# Fast apply on transformers ({env.get('model')}, {env.get('dtype')}, {env.get('device')})", "",
@@ -192,12 +178,11 @@ def markdown(result: dict) -> str:
                   "---:|---:|"]
         for name in NAMES:
             c = g[name]
-            lines.append(f"| {name} | {_f(c['tokens_per_second']['median'], '{:.1f}')} | "
-                         f"{_x(c.get('speedup_vs_plain'))} | {_f(c.get('throughput_ratio_vs_plain'), '×{:.2f}')} | "
-                         f"{_x(c.get('speedup_vs_prompt_lookup'))} | {_x(c.get('speedup_vs_lookup_decode'))} | "
-                         f"{_f(c.get('throughput_ratio_vs_lookup_decode'), '×{:.2f}')} | "
-                         f"{c.get('identical', g['n'])}/{g['n']} | {_f(c.get('mean_accepted_length'), '{:.2f}')} | "
-                         f"{c['forwards']} |")
+            x = [median_range(c.get(f"speedup_vs_{b}"), prefix="×") for b in BASES]
+            total = [number(c.get(f"throughput_ratio_vs_{b}"), "×{:.2f}") for b in ("plain", "lookup_decode")]
+            lines.append(f"| {name} | {number(c['tokens_per_second']['median'], '{:.1f}')} | {x[0]} | {total[0]} | "
+                         f"{x[1]} | {x[2]} | {total[1]} | {c.get('identical', g['n'])}/{g['n']} | "
+                         f"{number(c.get('mean_accepted_length'))} | {c['forwards']} |")
         lines.append("")
     lines += ["## Per edit", "", "| set | id | prompt tokens | file tokens | new tokens | prediction kept | "
               + " | ".join(f"{n} × plain" for n in NAMES[1:]) + " | identical |", "|---|---|" + "---:|" * 7 + "---|"]
@@ -216,9 +201,7 @@ def markdown(result: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.fast_apply", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(ap)
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
-    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    add_model_arguments(ap, device=True)
     ap.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     ap.add_argument("--requests", type=int, default=8, help="edits per set")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per edit and variant (median)")
@@ -235,10 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    torch.set_num_threads(args.threads)
+    device = device_of(args)
     options = {} if args.k is None else {"k": args.k}
     t = time.perf_counter()
     model, tokenizer = load_model(args, device)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from benchmarks.harness import report, workloads
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import accepted_histogram, copy_share, first_mismatch
-from benchmarks.harness.model import add_model_arguments
+from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS
 from lookup_decode.core.stats import DecodeStats
@@ -100,11 +100,9 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_arguments(ap)
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
+    add_model_arguments(ap, device=True)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampling with top_p "
                     f"{TOP_P}, the same settings for every variant")
-    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--workloads", nargs="+", default=CATEGORIES + LONG, choices=list(workloads.WORKLOADS),
                     help="default: every category, the long-context aider_refactor included")
     ap.add_argument("--include-long", action="store_true", help="add aider_refactor to --workloads")
@@ -126,8 +124,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    torch.set_num_threads(args.threads)
+    device = device_of(args)
     names = ["plain"] + [v for v in dict.fromkeys(args.variants) if v != "plain"]
     variants = [Variant(v.name, v.lookup, {**v.generate_kwargs, **sampling(args.temperature)})
                 for v in (VARIANTS[n] for n in names)]

@@ -45,7 +45,7 @@ from benchmarks.harness import workloads
 from benchmarks.harness.baselines import ContextCopyOracle, TransformersPromptLookup
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline, copy_share
-from benchmarks.harness.model import add_model_arguments, load_tokenizer
+from benchmarks.harness.model import add_model_arguments, device_of, load_tokenizer
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
@@ -324,9 +324,7 @@ def part_copy(args, tokenizer, cost, eos) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["output", "context", "copy"], choices=["output", "context", "copy"])
-    add_model_arguments(ap)
-    ap.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    ap.add_argument("--threads", type=int, default=2)
+    add_model_arguments(ap, device=True)
     ap.add_argument("--cost-grid", default=None, help="cost_grid.json of an earlier run: reuse, do not measure")
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS, help="context lengths to measure and pad to")
     ap.add_argument("--cost-repeats", type=int, default=2, help="timed forwards per (context, size); median")
@@ -348,9 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "scaling"))
     args = ap.parse_args(argv)
 
-    import torch
-    torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = device_of(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model = None

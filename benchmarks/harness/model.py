@@ -17,11 +17,22 @@ CODE_MODEL = "qwen2.5-coder-0.5b"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 
 
-def add_model_arguments(ap: argparse.ArgumentParser, dtype: str = "float32") -> None:
+def add_model_arguments(ap: argparse.ArgumentParser, dtype: str = "float32", device: bool = False) -> None:
+    """--model and --dtype; with device, --device and --threads too (what `device_of` reads)."""
     ap.add_argument("--model", default=None, help="a .gguf file or transformers model folder, or "
                     f"{CODE_MODEL} (the code model; lookup_decode.code_model()); default: SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default=dtype, choices=DTYPES,
                     help=f"auto: bfloat16 where the device runs it natively, else float32 (default {dtype})")
+    if device:
+        ap.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
+        ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+
+
+def device_of(args: argparse.Namespace) -> str:
+    """--device resolved (auto: cuda when available), after torch.set_num_threads(--threads)."""
+    import torch
+    torch.set_num_threads(args.threads)
+    return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
 
 
 def model_path(model: str | None):

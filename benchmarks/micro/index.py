@@ -140,10 +140,6 @@ def markdown(result: dict) -> str:
 
 # ---------------------------------------------------------------- --references: documents
 
-def _chars(tokens) -> str:
-    return "".join(chr(0x100 + int(t)) for t in tokens)     # one BMP character per token id (< 55k)
-
-
 def documents(n_tokens: int, seed: int = 0) -> list[np.ndarray]:
     """Documents of 500-5,000 tokens with a Zipf-like id distribution (49k vocabulary)."""
     rng = np.random.default_rng(seed)
@@ -186,7 +182,7 @@ def bench_aho(docs, stream, n: int) -> dict:
     t = time.perf_counter()
     auto = ahocorasick.Automaton()
     text = np.concatenate(docs)
-    chars = _chars(text)
+    chars = "".join(chr(0x100 + int(tok)) for tok in text)     # one BMP character per token id (< 55k)
     for end in range(n - 1, len(chars)):
         key = chars[end - n + 1: end + 1]
         if key not in auto:                       # keep the first occurrence, like the suffix index

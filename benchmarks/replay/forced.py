@@ -170,20 +170,15 @@ def write_pairs(path: Path, sets, limit: int, max_prompt: int) -> None:
 METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_tree")
 
 
-def variant_of(method: str, k: int, tree_width: int):
-    """The `measure.Variant` that runs `method` (one of METHODS)."""
-    from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant
-    return {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP, "lookup_decode": Variant(method, lookup={"k": k}),
-            "lookup_decode_tree": Variant(method, lookup={"k": k, "tree_width": tree_width})}[method]
-
-
 def run_one(model, forced: Forced, method: str, prompt: np.ndarray, output: np.ndarray, k: int, tree_width: int):
     """`measure.Run` (seconds, emitted tokens, DecodeStats or None) of one method on one recorded pair."""
-    from lookup_decode.measure import run_variant
+    from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant, run_variant
+    variant = {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP, "lookup_decode": Variant(method, lookup={"k": k}),
+               "lookup_decode_tree": Variant(method, lookup={"k": k, "tree_width": tree_width})}[method]
     device = next(model.parameters()).device
     forced.set(np.concatenate([prompt, output]), device)
     ids = torch.as_tensor(prompt[None].astype(np.int64), device=device)
-    return run_variant(model, ids, variant_of(method, k, tree_width), len(output))
+    return run_variant(model, ids, variant, len(output))
 
 
 def forced_replay(model, pairs: dict, methods=METHODS, k: int = 32, tree_width: int = 4, progress=None) -> dict:

@@ -619,7 +619,8 @@ def main(argv=None) -> None:
                 "seed": args.seed, "again": args.again, "fresh": args.fresh_engine, "methods": args.methods,
                 "cells": [f"{w}:{b}" for w, b in args.cell_list], "label": args.label,
                 "eos_token_ids": list(eos_of(tokenizer))}
-    warmup = [chat_prompt(tokenizer, t) for t in WARMUP_TEXTS]
+    from lookup_decode.engines.hf.models import chat_ids
+    warmup = [chat_ids(tokenizer, [{"role": "user", "content": t}])[0].tolist() for t in WARMUP_TEXTS]
     keep = set(used)              # the child indexes requests by position; unused ones are left out (None)
     plan = {"settings": settings, "requests": [r if i in keep else None for i, r in enumerate(requests)],
             "cells": cells, "jobs": jobs, "warmup": warmup}
@@ -643,11 +644,6 @@ def main(argv=None) -> None:
     result["run_s"] = time.perf_counter() - t
     result["replay"] = run_replay(result) if args.replay else None
     finish(result, args.out, args.name)
-
-
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    from lookup_decode.engines.hf.models import chat_ids
-    return chat_ids(tokenizer, [{"role": "user", "content": text}])[0].tolist()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from lookup_decode.core.stats import CALIBRATION_BINS, Calibration
 from lookup_decode.measure import CALIBRATION_MIN_TOKENS, spread
 
@@ -31,17 +33,15 @@ def calibration(value) -> Calibration | None:
     """A cell's stored calibration as a Calibration: its per-bin lists ({"tokens", "predicted", "kept"}), or the
     rows of results written before them ([{"bin_low", "bin_high", "tokens", "predicted" (mean), "kept"
     (share)}]); None stays None.
-    Note for the lead: this is `Calibration.from_rows` / `Calibration(**asdict(c))`, not in core.stats yet."""
+    Note for the lead: this is `Calibration.from_rows`, not in core.stats yet."""
     if value is None or isinstance(value, Calibration):
         return value
     if isinstance(value, dict):
-        return Calibration(list(value["tokens"]), list(value["predicted"]), list(value["kept"]))
+        return Calibration(np.array([value[k] for k in ("tokens", "predicted", "kept")], np.float64))
     cal = Calibration()
     for r in value:
         i = min(int(round(r["bin_low"] * CALIBRATION_BINS)), CALIBRATION_BINS - 1)
-        cal.tokens[i] += int(r["tokens"])
-        cal.predicted[i] += r["predicted"] * r["tokens"]
-        cal.kept[i] += int(round(r["kept"] * r["tokens"]))
+        cal.table[:, i] += (int(r["tokens"]), r["predicted"] * r["tokens"], round(r["kept"] * r["tokens"]))
     return cal
 
 

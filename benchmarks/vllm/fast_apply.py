@@ -248,17 +248,20 @@ def goals(summary: dict) -> list[tuple[str, bool | None]]:
     checks = [(f"NoFunEval: {p} >= 3x none", median("nofuneval", p, "none"), 3.0),
               (f"NoFunEval: {p} >= 1.5x suffix", median("nofuneval", p, "suffix"), 1.5),
               (f"rewrites: {p} never slower than lookup_decode", median("rewrites", p, "lookup_decode"), 1.0)]
-    return [(f"{text} (measured {_f(got)}x)", None if got is None else got >= need) for text, got, need in checks]
+    return [(f"{text} (measured {number(got)}x)", None if got is None else got >= need) for text, got, need in checks]
 
 
-def _f(x, fmt="{:.2f}") -> str:
+def number(x, fmt="{:.2f}") -> str:
+    """A table cell: x formatted, or a dash for None (the transformers study's tables use it too)."""
     return "—" if x is None else fmt.format(x)
 
 
-def _s(s: dict | None, fmt="{:.2f}") -> str:
-    if s is None:
+def median_range(s: dict | None, fmt="{:.2f}", prefix="") -> str:
+    """A `spread` as `median (min–max)` (the range only over more than one value); a dash for none."""
+    if not s or not s.get("n"):
         return "—"
-    return _f(s["median"], fmt) + (f" ({_f(s['min'], fmt)}–{_f(s['max'], fmt)})" if s["n"] > 1 else "")
+    return prefix + number(s["median"], fmt) + (f" ({number(s['min'], fmt)}–{number(s['max'], fmt)})"
+                                                 if s["n"] > 1 else "")
 
 
 def markdown(result: dict) -> str:
@@ -274,9 +277,9 @@ def markdown(result: dict) -> str:
                   "| prediction tokens | identical |", "|---|---|---|---|---|---|---|---|---|"]
         for v, c in g["variants"].items():
             pred = (f"{c['accepted_prediction']} / {c['rejected_prediction']}" if "accepted_prediction" in c else "—")
-            lines.append(f"| {v} | {_s(c['seconds'])} | {_f(c['tok_s'], '{:.1f}')} | {_s(c.get('vs_none'))} | "
-                         f"{_s(c.get('vs_suffix'))} | {_s(c.get('vs_lookup_decode'))} | "
-                         f"{c['accepted_drafts']} / {c['draft_tokens']} | {pred} | {c['identical']}/{c['runs']} |")
+            lines.append(f"| {v} | {median_range(c['seconds'])} | {number(c['tok_s'], '{:.1f}')} | "
+                         + " | ".join(median_range(c.get(f"vs_{base}")) for base in BASES)
+                         + f" | {c['accepted_drafts']} / {c['draft_tokens']} | {pred} | {c['identical']}/{c['runs']} |")
         lines.append("")
     lines += ["## Goals", ""] + [f"* {'met' if ok else 'not met' if ok is False else 'not measured'}: {text}"
                                  for text, ok in goals(result["summary"])]
@@ -313,12 +316,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     from openai import OpenAI
@@ -335,7 +332,9 @@ def main(argv=None) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     args.out.mkdir(parents=True, exist_ok=True)
     for method, runs in schedule.items():
-        port = _free_port()
+        with socket.socket() as s:                # a free port
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         t = time.perf_counter()
         with server(server_command(args, method, port), port, args.out / f"{args.name}_{method}.log", env) as url:
             result["servers"][method] = {"start_s": time.perf_counter() - t}
