@@ -196,12 +196,7 @@ class RequestTable:
             resumed, ring = self._dropped_prompt(matrix, int(rows[j]), n - int(emitted[j]))
             if resumed >= 0:
                 prompt, claim.resumed = resumed, claim.resumed + 1
-            s = self._new_slot(n, prompt, call)
-            if resumed >= 0 and self.dropped_key[ring] is not None:   # its next store replaces what it stored
-                self.keys[s] = self.dropped_key[ring]
-            slots[j], starts[j] = s, 0
-            claim.fresh.append(j)
-            claim.built += 1
+            self._new_slot(claim, j, n, prompt, call, self.dropped_key[ring] if resumed >= 0 else None)
         return claim
 
     def claim_ids(self, rows: np.ndarray, counts: np.ndarray, emitted: np.ndarray, ids: list[str],
@@ -224,27 +219,26 @@ class RequestTable:
         for j in np.flatnonzero(~known).tolist():
             if ids[j] is None or not admit(int(counts[j])):     # (vLLM's rows hold None only mid-update)
                 continue
-            s = self._new_slot(int(counts[j]), int(prompt_lens[j]), call)
             rid = ids[j]
+            claim.rebuilt += rid in self.dropped_ids    # known before: its next store replaces what it stored then
+            s = self._new_slot(claim, j, int(counts[j]), int(prompt_lens[j]), call, self.dropped_ids.pop(rid, None))
             self.ids[rid], self.id_of[s] = s, rid
-            if rid in self.dropped_ids:             # known before: its next store replaces what it stored then
-                key = self.dropped_ids.pop(rid)
-                if key is not None:
-                    self.keys[s] = key
-                claim.rebuilt += 1
-            slots[j] = s
-            claim.built += 1
-            claim.fresh.append(j)
         return claim
 
-    def _new_slot(self, n_tokens: int, prompt: int, call: int) -> int:
+    def _new_slot(self, claim: Claim, j: int, n_tokens: int, prompt: int, call: int, key: str | None) -> int:
+        """A fresh slot for row j of the claim; key: the memory key of what its request stored before (None: none)."""
         s = self.pool.add(n_tokens)
         self._room(s)
         self.live.add(s)
         for name, (_, fill) in _SLOT_ARRAYS.items():    # nothing of the slot's last holder stays
             getattr(self, name)[s] = fill
         self.keys.pop(s, None)
+        if key is not None:
+            self.keys[s] = key
         self.prompt_len[s], self.last_seen[s] = prompt, call
+        claim.slots[j], claim.starts[j] = s, 0
+        claim.built += 1
+        claim.fresh.append(j)
         return s
 
     def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:
