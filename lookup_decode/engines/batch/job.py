@@ -90,11 +90,6 @@ class Summary:
 
 # ------------------------------------------------------------------------------------------ driver
 
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="rec", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-
-
 def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address: str | None = None, actors: int = 1,
         progress: bool = True, ray_init: dict | None = None) -> Summary:
     """Run every record of `input_path` not yet in `output_path`; returns what this run did."""
@@ -118,7 +113,8 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
         # Records of one max_new_tokens share a generate call: in that order (input order within each), every
         # batch but the last of each length is full, locally and on Ray alike.
         pending.sort(key=lambda item: item["max_new_tokens"] or job.max_new_tokens)
-        bar = _progress(len(pending), progress)
+        from tqdm import tqdm
+        bar = tqdm(total=len(pending), unit="rec", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
         def emit(record: dict) -> None:
             if output.write(record):

@@ -290,7 +290,8 @@ class BatchDrafter:
             record.prediction = self._prediction(request_id, args.prediction)
         if record.memory is not self.memory or record.prediction is not None:
             self._own.add(s)
-        self.requests.set_request(s, record.k, record.temperature, record.end)
+        table = self.requests                       # the step reads them from the table's per-slot arrays
+        table.limit[s], table.temperature[s], table.end[s] = record.k, record.temperature, record.end
 
     def _prediction(self, request_id: str, prediction) -> References | None:
         """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
@@ -325,13 +326,9 @@ class BatchDrafter:
         """The distinct corpora of these slots and, per slot, the index of each of its roles' corpus (-1: none)."""
         corpora, where = [], {}
         rows = np.full((len(slots), 3), -1, np.int64)
-        for c, corpus in enumerate(self._roles(-1)):
-            if corpus is not None:
-                where[id(corpus)] = len(corpora)
-                corpora.append(corpus)
-                rows[:, c] = where[id(corpus)]
-        for j in [j for j, s in enumerate(slots.tolist()) if s in self._own] if self._own else ():
-            for c, corpus in enumerate(self._roles(int(slots[j]))):
+        own = [j for j, s in enumerate(slots.tolist()) if s in self._own] if self._own else []
+        for j, roles in [(slice(None), self._roles(-1))] + [(j, self._roles(int(slots[j]))) for j in own]:
+            for c, corpus in enumerate(roles):
                 if corpus is not None and id(corpus) not in where:
                     where[id(corpus)] = len(corpora)
                     corpora.append(corpus)

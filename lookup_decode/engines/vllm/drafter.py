@@ -27,7 +27,7 @@ from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.vllm import cpu_fix
 from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequests, RequestInfo
 from lookup_decode.engines.vllm.requests import fingerprints  # noqa: F401  (documented)
-from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path  # noqa: F401
+from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path, show_logs  # noqa: F401
 
 log = logging.getLogger("lookup_decode.vllm")
 KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read
@@ -117,7 +117,7 @@ class LookupDrafter(BatchDrafter):
         # vLLM's CPU build samples draft positions from a wrong distribution (cpu_fix's docstring); with drafts
         # sent, that would make sampled requests worse than without them.
         cpu_fix.apply()
-        _show_info_logs()
+        show_logs()
         log.info("lookup_decode: drafter ready (k %d, memory %s%s, references %s)", self.k,
                  "off" if self.memory is None else f"{len(self.memory)} outputs",
                  f", saved to {self.keeper.memory_save}" if self.keeper.persists else "", settings.references or "none")
@@ -178,14 +178,3 @@ class LookupDrafter(BatchDrafter):
                 drafts[i] = tokens[:n]
         return drafts
 
-
-def _show_info_logs() -> None:
-    """vLLM configures its own loggers only: give lookup_decode's a handler (stderr) unless the process has one, so
-    its INFO lines (start-up, failures, the summary at shutdown) reach the server's log."""
-    ours = logging.getLogger("lookup_decode")
-    if not ours.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)

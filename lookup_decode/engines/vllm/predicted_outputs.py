@@ -24,9 +24,9 @@ import importlib
 import json
 import logging
 import os
-import sys
 
-from lookup_decode.engines.vllm.request_args import PREDICTION, _shown
+from lookup_decode.engines.vllm.request_args import PREDICTION, shown
+from lookup_decode.engines.vllm.settings import show_logs
 
 log = logging.getLogger("lookup_decode.vllm")
 PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -44,17 +44,17 @@ def prediction_text(value) -> str:
     Example: prediction_text({"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "text",
     "text": "b"}]}) -> "ab"."""
     if not isinstance(value, dict) or value.get("type") != "content" or set(value) != {"type", "content"}:
-        raise PredictionError(f"prediction must be {SHAPE}, got {_shown(value)}")
+        raise PredictionError(f"prediction must be {SHAPE}, got {shown(value)}")
     content = value["content"]
     if isinstance(content, list):
         bad = [i for i, part in enumerate(content) if not isinstance(part, dict) or part.get("type") != "text"
                or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}]
         if bad:
             raise PredictionError(f"prediction.content[{bad[0]}] must be a text part {{\"type\": \"text\", "
-                                  f"\"text\": a string}} (only text can be predicted), got {_shown(content[bad[0]])}")
+                                  f"\"text\": a string}} (only text can be predicted), got {shown(content[bad[0]])}")
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
-        raise PredictionError(f"prediction.content must be a string or a list of text parts, got {_shown(content)}")
+        raise PredictionError(f"prediction.content must be a string or a list of text parts, got {shown(content)}")
     if len(content) > MAX_PREDICTION_CHARS:
         raise PredictionError(f"prediction has {len(content)} characters, more than the server's limit of "
                               f"{MAX_PREDICTION_CHARS} (LOOKUP_DECODE_MAX_PREDICTION_CHARS)")
@@ -99,7 +99,7 @@ def take_prediction(request: dict, drafter: bool) -> str:
     text = prediction_text(request.pop("prediction"))
     xargs = request.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
-        raise PredictionError(f"vllm_xargs must be an object, got {_shown(xargs)}")
+        raise PredictionError(f"vllm_xargs must be an object, got {shown(xargs)}")
     if xargs and PREDICTION in xargs:
         raise PredictionError(f"give the prediction once: either prediction or vllm_xargs.{PREDICTION}")
     if request.get("echo"):
@@ -122,18 +122,6 @@ def is_lookup_drafter(speculative_config) -> bool:
         return isinstance(cls, type) and issubclass(cls, LookupDrafter)
     except Exception:                                          # noqa: BLE001 - any failure: not ours
         return False
-
-
-def show_logs() -> None:
-    """vLLM configures its own loggers only: give lookup_decode's a stderr handler unless the process has one, so
-    its INFO and WARNING lines reach the server's log."""
-    ours = logging.getLogger("lookup_decode")
-    if not ours.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
 
 
 class PredictedOutputs:

@@ -53,9 +53,8 @@ def parse(extra_args) -> RequestArgs:
 def _k(value) -> int | None:
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value = int(value)
-    elif isinstance(value, float) and value.is_integer():
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit() or isinstance(value, float) \
+            and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{K} must be an int >= 0 (0: no drafts for this request), got {value!r}")
@@ -68,7 +67,7 @@ def _prediction(value) -> str | tuple[int, ...] | None:
     if isinstance(value, (list, tuple)) and all(_token_id(v) for v in value):
         return tuple(int(v) for v in value) or None
     raise ValueError(f"{PREDICTION} must be a text or a list of token ids (ints >= 0), got "
-                     f"{_shown(value)}")
+                     f"{shown(value)}")
 
 
 def _token_id(v) -> bool:
@@ -80,10 +79,10 @@ def _scope(value) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_SCOPE_CHARS:
         raise ValueError(f"{SCOPE} must be a non-empty string of at most {MAX_SCOPE_CHARS} characters, got "
-                         f"{_shown(value)}")
+                         f"{shown(value)}")
     return value
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

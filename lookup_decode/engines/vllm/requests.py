@@ -115,7 +115,7 @@ class RequestTable:
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
         self.dropped = np.zeros((DROPPED_KEPT, 3), np.int64)
         self.dropped_fp = np.zeros(DROPPED_KEPT, np.uint64)
-        self.dropped_key: dict[int, str] = {}
+        self.dropped_key: list[str | None] = [None] * DROPPED_KEPT
         self.dropped_n = 0
         # By id: vLLM's request id of each slot, and the ids of dropped requests with their output's memory key.
         self.ids: dict[str, int] = {}
@@ -128,10 +128,6 @@ class RequestTable:
             for name, (dtype, fill) in _SLOT_ARRAYS.items():
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.full(n - len(a), fill, dtype)]))
-
-    def set_request(self, s: int, k: int, temperature: float, end: int) -> None:
-        """Slot s's request's own draft length, temperature and end (its row length at max_tokens)."""
-        self.limit[s], self.temperature[s], self.end[s] = k, temperature, end
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -172,15 +168,10 @@ class RequestTable:
         slot for a row of n_tokens fits the byte bound (it may evict slots not seen in this call); a row refused
         gets slot -1."""
         before = fingerprints(matrix, rows, counts - emitted)
-        if self.twins:
-            slots = np.array([self._pop(fp) for fp in before.tolist()], np.int64)
-        else:                                           # the common case: one slot per fingerprint
-            pop = self.table.pop
-            slots = np.array([pop(fp, -1) for fp in before.tolist()], np.int64)
+        slots = np.array([self._pop(fp) for fp in before.tolist()], np.int64)
         self.last_seen[slots[slots >= 0]] = call        # seen now: never evicted to make room in this call
         starts = np.where(slots >= 0, counts - emitted, 0)
-        learn = slots >= 0
-        claim = Claim(slots, starts, learn)
+        claim = Claim(slots, starts, slots >= 0)
         missing = np.flatnonzero(slots < 0)
         if len(missing) == 0:
             return claim
@@ -205,12 +196,7 @@ class RequestTable:
             resumed, ring = self._dropped_prompt(matrix, int(rows[j]), n - int(emitted[j]))
             if resumed >= 0:
                 prompt, claim.resumed = resumed, claim.resumed + 1
-            s = self._new_slot(n, prompt, call)
-            if resumed >= 0 and ring in self.dropped_key:   # what it stored before: its next store replaces it
-                self.keys[s] = self.dropped_key[ring]
-            slots[j], starts[j] = s, 0
-            claim.fresh.append(j)
-            claim.built += 1
+            self._new_slot(claim, j, n, prompt, call, self.dropped_key[ring] if resumed >= 0 else None)
         return claim
 
     def claim_ids(self, rows: np.ndarray, counts: np.ndarray, emitted: np.ndarray, ids: list[str],
@@ -233,27 +219,26 @@ class RequestTable:
         for j in np.flatnonzero(~known).tolist():
             if ids[j] is None or not admit(int(counts[j])):     # (vLLM's rows hold None only mid-update)
                 continue
-            s = self._new_slot(int(counts[j]), int(prompt_lens[j]), call)
             rid = ids[j]
+            claim.rebuilt += rid in self.dropped_ids    # known before: its next store replaces what it stored then
+            s = self._new_slot(claim, j, int(counts[j]), int(prompt_lens[j]), call, self.dropped_ids.pop(rid, None))
             self.ids[rid], self.id_of[s] = s, rid
-            if rid in self.dropped_ids:             # known before: its next store replaces what it stored then
-                key = self.dropped_ids.pop(rid)
-                if key is not None:
-                    self.keys[s] = key
-                claim.rebuilt += 1
-            slots[j] = s
-            claim.built += 1
-            claim.fresh.append(j)
         return claim
 
-    def _new_slot(self, n_tokens: int, prompt: int, call: int) -> int:
+    def _new_slot(self, claim: Claim, j: int, n_tokens: int, prompt: int, call: int, key: str | None) -> int:
+        """A fresh slot for row j of the claim; key: the memory key of what its request stored before (None: none)."""
         s = self.pool.add(n_tokens)
         self._room(s)
         self.live.add(s)
         for name, (_, fill) in _SLOT_ARRAYS.items():    # nothing of the slot's last holder stays
             getattr(self, name)[s] = fill
         self.keys.pop(s, None)
+        if key is not None:
+            self.keys[s] = key
         self.prompt_len[s], self.last_seen[s] = prompt, call
+        claim.slots[j], claim.starts[j] = s, 0
+        claim.built += 1
+        claim.fresh.append(j)
         return s
 
     def _prefix_of(self, matrix, row: int, count: int, lengths: dict[int, int]) -> int:
@@ -289,11 +274,7 @@ class RequestTable:
         key = self.keys.pop(s, None)
         if prompt >= 0:
             i = self.dropped_n % DROPPED_KEPT
-            self.dropped[i], self.dropped_fp[i] = (n, 0, prompt), self.fp[s]
-            if key is not None:
-                self.dropped_key[i] = key
-            else:
-                self.dropped_key.pop(i, None)
+            self.dropped[i], self.dropped_fp[i], self.dropped_key[i] = (n, 0, prompt), self.fp[s], key
             self.dropped_n += 1
         rid = self.id_of.pop(s, None)
         if rid is not None:

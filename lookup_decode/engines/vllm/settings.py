@@ -11,7 +11,9 @@ Every value is checked when the drafter is built: a bad one fails there, naming 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -100,11 +102,10 @@ class Settings:
         if self.k is not None:
             check_k(self.k)
         check_match(self.min_match, self.max_match)
-        for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every", "max_scopes", "scope_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= 1, got {getattr(self, name)}")
-        if self.reload_every < 0:
-            raise ValueError(f"{ENV_PREFIX}RELOAD_EVERY must be >= 0, got {self.reload_every}")
+        for name in ("memory_tokens", "max_index_bytes", "idle_steps", "save_every", "max_scopes", "scope_tokens",
+                     "reload_every"):
+            if getattr(self, name) < (low := int(name != "reload_every")):
+                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be >= {low}, got {getattr(self, name)}")
         if self.draft_cost is not None and not self.draft_cost >= 0:
             raise ValueError(f"{ENV_PREFIX}DRAFT_COST must be >= 0, got {self.draft_cost}")
         if not self.save_seconds > 0:
@@ -190,3 +191,15 @@ def replica_path(path: str | None, rank: int, replicas: int) -> str | None:
         return path
     p = Path(path)
     return str(p.with_name(f"{p.stem}-replica{rank}{p.suffix}"))
+
+
+def show_logs() -> None:
+    """vLLM configures its own loggers only: give lookup_decode's a stderr handler unless the process has one, so
+    its INFO lines (start-up, failures, the summary at shutdown) reach the server's log."""
+    ours = logging.getLogger("lookup_decode")
+    if not ours.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
