@@ -227,15 +227,12 @@ class Corpus:
                 obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
                                   accepted=header["accepted"][i]))
             obj.clock = header["clock"]
-            obj._after_load()
         return obj
 
     def _load_keep(self, header: dict, lengths: np.ndarray) -> list[bool]:
-        """Which saved entries to index (all; a bounded memory drops what it would evict before indexing)."""
+        """Which saved entries to index (all; a bounded memory drops what it would evict before indexing, so
+        a loaded corpus is within its bounds)."""
         return [True] * len(lengths)
-
-    def _after_load(self) -> None:
-        """Subclasses enforce their bounds on a loaded corpus."""
 
 
 def extend_index(index: SuffixIndex, entries: list[Entry]) -> list[int]:

@@ -156,20 +156,15 @@ class Memory(Corpus):
         held = sum(int(n) for n in lengths)
         if held <= self.max_tokens:
             return keep
-        budget = int(LOW_WATER * self.max_tokens)
-        order = sorted(range(len(lengths)), key=lambda i: (header["last_used"][i], header["accepted"][i],
-                                                           header["added"][i]))
-        for i in order:
-            if held <= budget:
+        saved = [Entry(i, lengths[i:i + 1], added=header["added"][i], last_used=header["last_used"][i],
+                       accepted=header["accepted"][i]) for i in range(len(lengths))]
+        for e in eviction_order(saved):
+            if held <= int(LOW_WATER * self.max_tokens):
                 break
-            keep[i] = False
-            held -= int(lengths[i])
+            keep[e.key] = False
+            held -= int(lengths[e.key])
             self.evicted += 1
         return keep
-
-    def _after_load(self) -> None:
-        if self._n_tokens > self.max_tokens:
-            self._evict(int(LOW_WATER * self.max_tokens))
 
     def clear(self) -> None:
         with self._lock:
@@ -264,11 +259,6 @@ class References(Corpus):
         if self.max_tokens is not None and held > self.max_tokens:   # refused before indexing anything
             raise ValueError(f"the saved references hold {held} tokens, more than max_tokens={self.max_tokens}")
         return [True] * len(lengths)
-
-    def _after_load(self) -> None:
-        if self.max_tokens is not None and self._n_tokens > self.max_tokens:
-            raise ValueError(f"the loaded references hold {self._n_tokens} tokens, more than max_tokens="
-                             f"{self.max_tokens}")
 
 
 def load_memory(paths, *, max_tokens: int = 1_000_000, vocab_size: int | None = None, missing_ok=()) -> Memory:
