@@ -109,14 +109,19 @@ class Memory(Corpus):
 
     def _evict(self, budget: int) -> None:
         """Drop least recently useful entries until at most `budget` tokens remain (caller holds the lock)."""
+        gone = self._least_useful(budget)
+        self.evicted += len(gone)
+        self._remove(gone)
+
+    def _least_useful(self, budget: int) -> list[str]:
+        """The keys `_evict(budget)` drops, in eviction order (caller holds the lock)."""
         held, gone = self._n_tokens, []
         for e in eviction_order(self._entries.values()):
             if held <= budget:
                 break
             gone.append(e.key)
             held -= e.tokens.size
-        self.evicted += len(gone)
-        self._remove(gone)
+        return gone
 
     def evict_aside(self) -> int:
         """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
@@ -128,12 +133,7 @@ class Memory(Corpus):
         with self._lock:
             if self._n_tokens <= HIGH_WATER * self.max_tokens:
                 return 0
-            held, gone = self._n_tokens, set()
-            for e in eviction_order(self._entries.values()):
-                if held <= int(LOW_WATER * self.max_tokens):
-                    break
-                gone.add(e.key)
-                held -= e.tokens.size
+            gone = set(self._least_useful(int(LOW_WATER * self.max_tokens)))
             kept = [e for e in self._entries.values() if e.key not in gone]
             seen, clock = set(self._entries), self.clock
         index = SuffixIndex(min_match=1, max_match=2**31 - 1)
