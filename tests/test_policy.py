@@ -133,12 +133,6 @@ def test_observing_a_batch_at_once_equals_observing_rows_in_turn(rows):
     assert np.array_equal(at_once.requests[:5], one_by_one.requests[:5])
 
 
-def test_buckets_of_many_equal_bucket_of_each():
-    from lookup_decode.core.policy import buckets
-    lens = np.array([0, 1, 2, 3, 4, 7, 8, 127, 128, 129, 2**20, 2**31 - 1])
-    assert buckets(lens).tolist() == [bucket(int(m)) for m in lens]
-
-
 def test_choosing_for_a_batch_equals_the_sum_of_each_rows_gain():
     cost = CostCurve([1, 8, 33], [1.0, 1.3, 2.5], 33)
     policy = DraftPolicy(32, cost)
