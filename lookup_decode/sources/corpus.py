@@ -277,13 +277,9 @@ def _read(path, kind: str):
         return CorpusFileError(f"{path}: not a lookup_decode {kind} file ({why})")
     try:
         _check_members(path, bad)
-        with np.load(path, allow_pickle=False) as f:
-            if set(f.files) != {"header", "tokens", "lengths"}:
-                raise bad(f"arrays {sorted(f.files)}")
+        with np.load(path, allow_pickle=False) as f:     # the members are _MEMBERS (checked above)
             raw, tokens, lengths = f["header"], f["tokens"], f["lengths"]
-    except CorpusFileError:
-        raise
-    except FileNotFoundError:
+    except (CorpusFileError, FileNotFoundError):
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, TypeError, AttributeError) as e:
         raise bad(f"unreadable: {e}") from None
