@@ -425,7 +425,7 @@ def test_evict_aside_equals_eviction_and_keeps_entries_stored_meanwhile(monkeypa
     for m in (a, b):
         m.add(entries[8])                                       # 90: above it
     late = np.arange(5) + 60
-    real_extend = memory_module._extend
+    real_extend = memory_module.extend_index
 
     def store_meanwhile(index, es):                             # another thread stores while the index is built
         if not hasattr(store_meanwhile, "done"):
@@ -433,9 +433,9 @@ def test_evict_aside_equals_eviction_and_keeps_entries_stored_meanwhile(monkeypa
             b.add(late)
         return real_extend(index, es)
 
-    monkeypatch.setattr(memory_module, "_extend", store_meanwhile)
+    monkeypatch.setattr(memory_module, "extend_index", store_meanwhile)
     assert b.evict_aside() == 2
-    monkeypatch.setattr(memory_module, "_extend", real_extend)
+    monkeypatch.setattr(memory_module, "extend_index", real_extend)
     assert a.evict_aside() == 2 and a.n_tokens == 70
     assert [e.key for e in b.entries()][:-1] == [e.key for e in a.entries()]
     assert b.entries()[-1].tokens.tolist() == late.tolist() and b.n_tokens == 75

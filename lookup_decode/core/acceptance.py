@@ -241,9 +241,3 @@ def observe_rows(counts, requests, rows, match_len, branched, source, temperatur
         observe(counts, requests[rows[i]], match_len[i], branched[i], source[i], temperature[i], decided[i], kept[i],
                 params)
 
-
-def buckets(match_lens: np.ndarray) -> np.ndarray:
-    """`bucket` of every match length at once, int64 [r]."""
-    m = np.maximum(np.asarray(match_lens, dtype=np.int64), 1)
-    # bit_length(m) - 1 == floor(log2(m)); frexp is exact for every int64 a match length can be.
-    return np.minimum(np.frexp(m.astype(np.float64))[1] - 1, N_BUCKETS - 1)

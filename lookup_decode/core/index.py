@@ -66,13 +66,17 @@ def new_automaton(cap: int, meta: np.ndarray, fill: bool = True) -> tuple:
     return bufs
 
 
-def copy_buffers(old: tuple, new: tuple, meta: np.ndarray) -> None:
-    """Copy the automaton described by meta from buffers `old` into larger, empty ones `new` (rehashed)."""
+def grown(old: tuple, meta: np.ndarray, cap: int, need: int) -> tuple[int, tuple]:
+    """(room, buffers): the automaton described by meta copied from buffers `old` (room for cap tokens) into
+    new ones with room for `need` (`room_for`), rehashed; `old` is left as it was."""
+    cap = room_for(cap, need)
+    new = buffers(cap)
     n_tok, n_st, n_ed = int(meta[K.N_TOKENS]), int(meta[K.N_STATES]), int(meta[K.N_EDGES])
     new[0][:n_tok] = old[0][:n_tok]
     new[1][:, :n_st] = old[1][:, :n_st]
     new[2][:, :n_ed] = old[2][:, :n_ed]
     K.rehash(new[1][3], new[2][0], new[2][2], n_st, new[3], new[4])
+    return cap, new
 
 
 class SuffixIndex:
@@ -142,10 +146,7 @@ class SuffixIndex:
 
         Exception safe: the new buffers are allocated, filled and rehashed aside and swapped in only
         when complete, so a MemoryError (or Ctrl-C) half way leaves the index as it was."""
-        cap = room_for(self._cap, need_tokens)
-        new = buffers(cap)
-        copy_buffers(self._buf, new, self._meta)
-        self._set(cap, new, self._meta)
+        self._set(*grown(self._buf, self._meta, self._cap, need_tokens), self._meta)
 
     def extend(self, tokens) -> None:
         """Append token ids (int [m]; list, numpy or torch) to the indexed text."""

@@ -20,7 +20,7 @@ from lookup_decode.core.draft import Draft, kept_prefix
 
 # Forward sizes (1 + draft length) of a compiled forward: log2(k) + 1 shapes instead of k + 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-bucket, buckets = A.bucket, A.buckets          # the match-length buckets of the acceptance model
+bucket = A.bucket                              # the match-length buckets of the acceptance model
 
 
 def ragged_lengths(p_kept: np.ndarray, available: np.ndarray, token_cost: float) -> np.ndarray:
@@ -127,16 +127,6 @@ class DraftPolicy:
         out = np.zeros((len(drafts), int(lengths.max(initial=0))))
         A.predict_rows(self.counts, self.requests, rows, *self._features(drafts), lengths, out, self.params)
         return out
-
-    def expected_table(self, drafts: list[Draft], max_d: int, rows=None) -> np.ndarray:
-        """E[tokens emitted | d] of each row, d = 0..max_d: float64 [r, max_d + 1] (flat past a row's draft)."""
-        p = self.p_kept(drafts, rows)
-        table = np.ones((len(drafts), max_d + 1))
-        w = min(p.shape[1], max_d)
-        np.cumsum(p[:, :w], axis=1, out=table[:, 1: w + 1])
-        table[:, 1: w + 1] += 1.0
-        table[:, w + 1:] = table[:, w: w + 1]
-        return table
 
     def choose(self, drafts: list[Draft], p: np.ndarray | None = None) -> int:
         """Draft width w (tokens per row in the verify forward, 1 = no draft) maximizing E[emitted] / cost(w).

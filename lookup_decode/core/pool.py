@@ -42,7 +42,7 @@ from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
 from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match, corpus_thresholds
 from lookup_decode.core.draft import choose_source
-from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, copy_buffers, new_automaton, room_bytes, room_for
+from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, grown, new_automaton, room_bytes, room_for
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
@@ -245,9 +245,7 @@ class IndexPool:
         """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
         self.bytes -= int(self.nbytes([s])[0])
         self.copies.pop(s, None)
-        cap = room_for(int(self.cap[s]), need)
-        new = buffers(cap)
-        copy_buffers(self.buffers[s], new, self.meta[s])
+        cap, new = grown(self.buffers[s], self.meta[s], int(self.cap[s]), need)
         self.copied += int(room_bytes(cap))
         self.buffers[s], self.cap[s] = new, cap
         self.bytes += int(room_bytes(cap))

@@ -77,6 +77,12 @@ def accept_sampled(draft: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) ->
     return x[: n_kept + 1]
 
 
+def _target(scores: torch.Tensor, uniforms: torch.Tensor | None, i: int) -> torch.Tensor:
+    """The target token (long [1]) of one score row [1, V] at output position i: its argmax (uniforms None) or
+    sampled with uniforms[i]."""
+    return scores.argmax(-1) if uniforms is None else sample_rows(torch.softmax(scores, dim=-1), uniforms[i: i + 1])
+
+
 def accept_row_by_row(draft: torch.Tensor, row_scores, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, list]:
     """The same acceptance as accept_greedy / accept_sampled, computing target rows only as needed.
 
@@ -90,10 +96,7 @@ def accept_row_by_row(draft: torch.Tensor, row_scores, uniforms: torch.Tensor | 
     rows = []
     for i in range(n + 1):
         rows.append(row_scores(i))
-        if uniforms is None:
-            x = rows[-1].argmax(-1)
-        else:
-            x = sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[i: i + 1])
+        x = _target(rows[-1], uniforms, i)
         if i == n or int(x) != int(draft[i]):
             break
     return torch.cat([draft[:i], x.to(draft.dtype)]), rows
@@ -138,10 +141,7 @@ def accept_tree(tokens: np.ndarray, parents: np.ndarray, row_scores, uniforms: t
     node, path, rows = -1, [], []
     while True:
         rows.append(row_scores(node + 1, path))
-        if uniforms is None:
-            x = int(rows[-1].argmax(-1))
-        else:
-            x = int(sample_rows(torch.softmax(rows[-1], dim=-1), uniforms[len(path): len(path) + 1]))
+        x = int(_target(rows[-1], uniforms, len(path)))
         nxt = children.get(node, {}).get(x)
         if nxt is None:
             break

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import zipfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +101,7 @@ class Corpus:
     def entries(self) -> list[Entry]:
         """A snapshot of the entries, in index order (copies of the metadata; tokens are shared, read-only)."""
         with self._lock:
-            return [Entry(e.key, e.tokens, e.start, e.added, e.last_used, e.accepted) for e in self._entries.values()]
+            return [replace(e) for e in self._entries.values()]
 
     def check_vocab(self, vocab_size: int, what: str = "the model") -> None:
         """ValueError if an entry holds an id that `what` (a vocabulary of `vocab_size` ids) does not know."""
@@ -148,20 +148,18 @@ class Corpus:
         gone = set(keys)
         kept = [e for key, e in self._entries.items() if key not in gone]
         index = SuffixIndex(min_match=1, max_match=2**31 - 1)
-        starts = []
-        if kept:
-            text = np.concatenate([np.append(e.tokens, np.int32(SEPARATOR)) for e in kept])
-            index.extend(text)                  # one kernel call for the whole corpus
-            starts = np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in kept])[:-1]]).tolist()
-        # Nothing below allocates much or can fail half way.
-        for e, start in zip(kept, starts):
+        self._install(index, kept, extend_index(index, kept))
+
+    def _install(self, index: SuffixIndex, entries: list[Entry], starts: list[int]) -> None:
+        """Swap in `index` holding `entries` at `starts` (caller holds the lock; nothing here can fail half way)."""
+        for e, start in zip(entries, starts):
             e.start = int(start)
         self._index = index
-        self._entries = {e.key: e for e in kept}
-        self._starts = [e.start for e in kept]
-        self._keys = [e.key for e in kept]
-        self._n_tokens = sum(e.tokens.size for e in kept)
-        self._max_id = max((int(e.tokens.max()) for e in kept), default=-1)
+        self._entries = {e.key: e for e in entries}
+        self._starts = [e.start for e in entries]
+        self._keys = [e.key for e in entries]
+        self._n_tokens = sum(e.tokens.size for e in entries)
+        self._max_id = max((int(e.tokens.max()) for e in entries), default=-1)
         self.version += 1
 
     def credit(self, version: int, position: int, accepted: int) -> None:
@@ -229,15 +227,26 @@ class Corpus:
                 obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
                                   accepted=header["accepted"][i]))
             obj.clock = header["clock"]
-            obj._after_load()
         return obj
 
     def _load_keep(self, header: dict, lengths: np.ndarray) -> list[bool]:
-        """Which saved entries to index (all; a bounded memory drops what it would evict before indexing)."""
+        """Which saved entries to index (all; a bounded memory drops what it would evict before indexing, so
+        a loaded corpus is within its bounds)."""
         return [True] * len(lengths)
 
-    def _after_load(self) -> None:
-        """Subclasses enforce their bounds on a loaded corpus."""
+
+def extend_index(index: SuffixIndex, entries: list[Entry]) -> list[int]:
+    """Append the entries to index, each followed by SEPARATOR (one kernel call); their start positions."""
+    if not entries:
+        return []
+    base = len(index)
+    index.extend(np.concatenate([np.append(e.tokens, np.int32(SEPARATOR)) for e in entries]))
+    return (base + np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in entries])[:-1]])).tolist()
+
+
+def eviction_order(entries: list[Entry]) -> list[Entry]:
+    """Least recently useful first: oldest last use, then fewer accepted draft tokens, then older entry."""
+    return sorted(entries, key=lambda e: (e.last_used, e.accepted, e.added))
 
 
 _MEMBERS = {"header.npy", "tokens.npy", "lengths.npy"}
@@ -268,13 +277,9 @@ def _read(path, kind: str):
         return CorpusFileError(f"{path}: not a lookup_decode {kind} file ({why})")
     try:
         _check_members(path, bad)
-        with np.load(path, allow_pickle=False) as f:
-            if set(f.files) != {"header", "tokens", "lengths"}:
-                raise bad(f"arrays {sorted(f.files)}")
+        with np.load(path, allow_pickle=False) as f:     # the members are _MEMBERS (checked above)
             raw, tokens, lengths = f["header"], f["tokens"], f["lengths"]
-    except CorpusFileError:
-        raise
-    except FileNotFoundError:
+    except (CorpusFileError, FileNotFoundError):
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, TypeError, AttributeError) as e:
         raise bad(f"unreadable: {e}") from None

@@ -17,12 +17,13 @@ job and the vLLM drafter ask these, and each fails with an error naming the file
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.sources.corpus import SEPARATOR, Corpus, Entry
+from lookup_decode.sources.corpus import Corpus, Entry, eviction_order, extend_index
 
 # After an eviction the memory holds at most this share of its bound, so the O(bound) rebuild of
 # the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
@@ -108,15 +109,19 @@ class Memory(Corpus):
 
     def _evict(self, budget: int) -> None:
         """Drop least recently useful entries until at most `budget` tokens remain (caller holds the lock)."""
-        order = sorted(self._entries.values(), key=lambda e: (e.last_used, e.accepted, e.added))
+        gone = self._least_useful(budget)
+        self.evicted += len(gone)
+        self._remove(gone)
+
+    def _least_useful(self, budget: int) -> list[str]:
+        """The keys `_evict(budget)` drops, in eviction order (caller holds the lock)."""
         held, gone = self._n_tokens, []
-        for e in order:
+        for e in eviction_order(self._entries.values()):
             if held <= budget:
                 break
             gone.append(e.key)
             held -= e.tokens.size
-        self.evicted += len(gone)
-        self._remove(gone)
+        return gone
 
     def evict_aside(self) -> int:
         """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
@@ -128,33 +133,19 @@ class Memory(Corpus):
         with self._lock:
             if self._n_tokens <= HIGH_WATER * self.max_tokens:
                 return 0
-            held, gone = self._n_tokens, set()
-            for e in sorted(self._entries.values(), key=lambda e: (e.last_used, e.accepted, e.added)):
-                if held <= int(LOW_WATER * self.max_tokens):
-                    break
-                gone.add(e.key)
-                held -= e.tokens.size
+            gone = set(self._least_useful(int(LOW_WATER * self.max_tokens)))
             kept = [e for e in self._entries.values() if e.key not in gone]
             seen, clock = set(self._entries), self.clock
         index = SuffixIndex(min_match=1, max_match=2**31 - 1)
-        starts = _extend(index, kept)
+        starts = extend_index(index, kept)
         with self._lock:
             if any(e.key not in self._entries for e in kept):
                 return 0
             # Stored meanwhile, or stored again (refreshed) after being chosen to go: in the new index too.
             added = [e for key, e in self._entries.items() if key not in seen or (key in gone and e.last_used > clock)]
-            starts += _extend(index, added)
-            entries = kept + added
-            for e, start in zip(entries, starts):
-                e.start = start
-            evicted = len(self._entries) - len(entries)
-            self._index = index
-            self._entries = {e.key: e for e in entries}
-            self._starts = [e.start for e in entries]
-            self._keys = [e.key for e in entries]
-            self._n_tokens = sum(e.tokens.size for e in entries)
-            self._max_id = max((int(e.tokens.max()) for e in entries), default=-1)
-            self.version += 1
+            starts += extend_index(index, added)
+            evicted = len(self._entries) - len(kept) - len(added)
+            self._install(index, kept + added, starts)
             self.evicted += evicted
             return evicted
 
@@ -165,20 +156,15 @@ class Memory(Corpus):
         held = sum(int(n) for n in lengths)
         if held <= self.max_tokens:
             return keep
-        budget = int(LOW_WATER * self.max_tokens)
-        order = sorted(range(len(lengths)), key=lambda i: (header["last_used"][i], header["accepted"][i],
-                                                           header["added"][i]))
-        for i in order:
-            if held <= budget:
+        saved = [Entry(i, lengths[i:i + 1], added=header["added"][i], last_used=header["last_used"][i],
+                       accepted=header["accepted"][i]) for i in range(len(lengths))]
+        for e in eviction_order(saved):
+            if held <= int(LOW_WATER * self.max_tokens):
                 break
-            keep[i] = False
-            held -= int(lengths[i])
+            keep[e.key] = False
+            held -= int(lengths[e.key])
             self.evicted += 1
         return keep
-
-    def _after_load(self) -> None:
-        if self._n_tokens > self.max_tokens:
-            self._evict(int(LOW_WATER * self.max_tokens))
 
     def clear(self) -> None:
         with self._lock:
@@ -189,8 +175,7 @@ class Memory(Corpus):
         `save` to write while this memory goes on serving: a writer of it holds only the copy's lock."""
         copy = Memory(self.max_tokens, remember_prompts=self.remember_prompts, vocab_size=self.vocab_size)
         with self._lock:
-            copy._entries = {e.key: Entry(e.key, e.tokens, e.start, e.added, e.last_used, e.accepted)
-                             for e in self._entries.values()}
+            copy._entries = {e.key: replace(e) for e in self._entries.values()}
             copy.clock, copy._n_tokens = self.clock, self._n_tokens
         return copy
 
@@ -274,21 +259,6 @@ class References(Corpus):
         if self.max_tokens is not None and held > self.max_tokens:   # refused before indexing anything
             raise ValueError(f"the saved references hold {held} tokens, more than max_tokens={self.max_tokens}")
         return [True] * len(lengths)
-
-    def _after_load(self) -> None:
-        if self.max_tokens is not None and self._n_tokens > self.max_tokens:
-            raise ValueError(f"the loaded references hold {self._n_tokens} tokens, more than max_tokens="
-                             f"{self.max_tokens}")
-
-
-def _extend(index: SuffixIndex, entries: list[Entry]) -> list[int]:
-    """Append the entries to index (each followed by SEPARATOR, as `Corpus` lays them out); their start
-    positions."""
-    if not entries:
-        return []
-    base = len(index)
-    index.extend(np.concatenate([np.append(e.tokens, np.int32(SEPARATOR)) for e in entries]))
-    return (base + np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in entries])[:-1]])).tolist()
 
 
 def load_memory(paths, *, max_tokens: int = 1_000_000, vocab_size: int | None = None, missing_ok=()) -> Memory:
