@@ -23,7 +23,7 @@ class HfEngine:
         from lookup_decode.engines.vllm.settings import Settings  # the vLLM drafter's bound, for both engines
         from lookup_decode.sources.memory import Memory, load_references
         self.job = job
-        self.model, self.tokenizer = load_quietly(job.model, job.threads)   # no GGUF progress bars
+        self.model, self.tokenizer = load_quietly(job.model, job.threads, job.dtype)   # no GGUF progress bars
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         self.eos = eos_ids(self.model.generation_config)
