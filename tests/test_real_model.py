@@ -134,3 +134,21 @@ def test_cli_generate_json_compare(real_model, capsys):
     assert result["text"].strip()
     assert result["compare"]["identical"] is True
     assert result["stats"]["new_tokens"] <= 24 and result["stats"]["steps"] > 0
+
+
+def test_cli_generate_prediction_file_leads(real_model, capsys, tmp_path):
+    """`--prediction-file`: the same output as without it, in fewer steps when it holds the answer (the
+    prediction's drafts lead)."""
+    from lookup_decode.cli import commands as cli
+    code = (Path(__file__).parent.parent / "examples" / "data" / "inventory.py").read_text()
+    ask = ["generate", "--prompt", "Add a docstring to every function and return the whole code:\n" + code,
+           "--max-new-tokens", "64", "--json", "--compare"]
+    assert cli.main(ask, loaded=real_model) == 0
+    without = json.loads(capsys.readouterr().out)
+    (tmp_path / "pred.txt").write_text(without["text"])
+    assert cli.main(ask + ["--prediction-file", str(tmp_path / "pred.txt")], loaded=real_model) == 0
+    with_it = json.loads(capsys.readouterr().out)
+    assert without["compare"]["identical"] is True and with_it["compare"]["identical"] is True
+    assert with_it["text"] == without["text"]
+    assert with_it["stats"]["accepted"] > 0, "guard: drafts were accepted"
+    assert with_it["stats"]["steps"] < without["stats"]["steps"]

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--prompt-file", help="read the user message from this file")
     g.add_argument("--system", default=None, help="optional system message")
+    g.add_argument("--prediction-file", default=None, help="text the reply is expected to repeat (OpenAI's Predicted "
+                   "Outputs: the file being edited); its drafts lead, the output is unchanged")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=None)
@@ -217,15 +219,19 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"lookup-decode: cannot read {flag}: {e}")
+
+
 def _read_prompt(args) -> str:
     if args.prompt is not None:
         text = args.prompt
     elif args.prompt_file is not None:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise SystemExit(f"lookup-decode: cannot read --prompt-file: {e}")
+        text = _read_text(args.prompt_file, "--prompt-file")
     elif not sys.stdin.isatty():
         text = sys.stdin.read()
     else:
@@ -256,6 +262,7 @@ def cmd_generate(args, loaded=None) -> int:
 
     _validate(args)
     prompt = _read_prompt(args)
+    prediction = _read_text(args.prediction_file, "--prediction-file") if args.prediction_file else None
     config = lookup_config(args)
     model, tokenizer = loaded if loaded is not None else load(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -276,13 +283,15 @@ def cmd_generate(args, loaded=None) -> int:
         # cost once per process; neither belongs in a per-request comparison.
         warm = dict(gen_kwargs, max_new_tokens=4)
         model.generate(input_ids, **warm)
-        model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(config), **warm)
+        model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(
+            config, prediction=prediction, tokenizer=tokenizer), **warm)
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     try:
         out = model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(
-            config, stats=stats, generator=generator, streamer=streamer), **gen_kwargs)
+            config, stats=stats, generator=generator, streamer=streamer, prediction=prediction, tokenizer=tokenizer),
+            **gen_kwargs)
     except ValueError as e:
         raise SystemExit(f"lookup-decode: {e}")
     lookup_s = time.perf_counter() - start
