@@ -77,3 +77,63 @@ def test_benchmarks_are_sorted_by_topic():
 def test_documented_import_paths(path):
     module, name = path.rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is not None
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """`from x import _name` reaches past another module's interface (issue 34's rule)."""
+    bad = []
+    for path in project_files():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and under(node.module, "lookup_decode", "benchmarks") and node.module != module_name(path):
+                bad += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []
+
+
+def test_no_import_circles_lazy_imports_included():
+    """No module reaches itself through the modules it imports, at any depth of its code; a module importing its
+    own parent package (its __init__) does not count, as Python runs that first anyway."""
+    known = {module_name(p): p for p in project_files()}
+
+    def targets(path: Path) -> set[str]:       # `from a.b import c` names a.b and, where c is a module, a.b.c
+        names = set(imported_modules(path))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+        return names
+
+    def edges(mod: str) -> set[str]:
+        out = set()
+        for name in targets(known[mod]):
+            while name and name not in known:         # `from a.b import c`: a.b, or a.b.c when c is a module
+                name = name.rpartition(".")[0]
+            if name and name != mod and not under(mod, name):
+                out.add(name)
+        return out
+
+    graph = {m: edges(m) for m in known}
+    circles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                circles.append(" -> ".join(path[path.index(n):] + [n]))
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert circles == []

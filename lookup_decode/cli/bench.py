@@ -90,13 +90,9 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
 # ------------------------------------------------------------------------------------ the command
 
 def add_arguments(parser) -> None:
+    """The command's own flags; --model, --dtype, --threads and --max-new-tokens come from commands.py."""
     parser.add_argument("--prompts", required=True, help='JSONL file (one {"messages": [...]} or {"prompt": "..."} '
                         'per line) or a folder of .txt files')
-    from lookup_decode.cli.commands import MODEL_HELP, add_dtype_arg
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
-    add_dtype_arg(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per request and variant (default 1)")
     parser.add_argument("--no-confirm", action="store_true",

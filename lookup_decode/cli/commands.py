@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lookup_decode.cli import bench
     b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
     bench.add_arguments(b)
+    _add_model_args(b)
 
     e = sub.add_parser("export-hf", help="save the default model (or --model) as a transformers folder, the form "
                        "vLLM loads")
