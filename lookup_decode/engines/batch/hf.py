@@ -23,7 +23,8 @@ class HfEngine:
         from lookup_decode.engines.vllm.settings import Settings  # the vLLM drafter's bound, for both engines
         from lookup_decode.sources.memory import Memory, load_references
         self.job = job
-        self.model, self.tokenizer = load_quietly(job.model, job.threads, job.dtype)   # no GGUF progress bars
+        # no GGUF progress bars; None: transformers' default here, float32
+        self.model, self.tokenizer = load_quietly(job.model, job.threads, job.dtype or "float32")
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else \
             self.tokenizer.eos_token_id
         self.eos = eos_ids(self.model.generation_config)

@@ -49,7 +49,7 @@ class Job:
     # vLLM only (`batch.vllm.llm_kwargs`); None: vLLM's default, or on a CPU the one the CPU build needs
     max_model_len: int | None = None  # longest prompt + output; None: the model's context
     kv_cache_bytes: int | None = None # KV cache per engine; None: vLLM's share of GPU memory, 1 GiB on a CPU
-    dtype: str = "auto"               # "auto" (vLLM's choice for the model), "float32", "bfloat16", "float16"
+    dtype: str | None = None          # None: the engine's default (transformers float32, vLLM its choice: "auto")
     tensor_parallel_size: int = 1     # GPUs per engine
     gpus_per_actor: float | None = None  # Ray GPUs per actor; None: `actor_resources` decides
     enforce_eager: bool | None = None # no CUDA graphs / torch.compile; None: eager on a CPU only

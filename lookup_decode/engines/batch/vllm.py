@@ -85,7 +85,7 @@ def llm_kwargs(job, cpu: bool) -> dict:
     """Keyword arguments of `vllm.LLM` for this job. On a CPU (cpu=True) the defaults are the ones the CPU build
     needs: a 1 GiB KV cache unless --kv-cache-bytes or VLLM_CPU_KVCACHE_SPACE says otherwise, and eager mode
     (the CPU build would compile the model with inductor first)."""
-    kwargs = dict(model=model_folder(job.model), dtype=job.dtype, seed=0,
+    kwargs = dict(model=model_folder(job.model), dtype=job.dtype or "auto", seed=0,
                   tensor_parallel_size=job.tensor_parallel_size)
     if job.max_model_len is not None:
         kwargs["max_model_len"] = job.max_model_len
