@@ -184,8 +184,6 @@ def cmd_run(args) -> int:
             raise SystemExit(f"lookup-decode: --{given[0].replace('_', '-')} is an option of --engine vllm")
     if args.k is None:
         args.k = VLLM_K if args.engine == "vllm" else DEFAULTS.k
-    if args.dtype is None:
-        args.dtype = "auto" if args.engine == "vllm" else "float32"
     if args.references is not None and not Path(args.references).is_dir():
         raise SystemExit(f"lookup-decode: --references {args.references!r} is not a folder")
     job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
