@@ -18,7 +18,7 @@ from benchmarks.harness.baselines import (
     VllmNgram,
 )
 from benchmarks.harness.loop import side_by_side
-from benchmarks.harness.metrics import accepted_histogram, first_mismatch
+from benchmarks.harness.metrics import accepted_histogram
 from benchmarks.harness.results import write_result
 from benchmarks.replay import drafts as study
 from benchmarks.replay import fingerprint
@@ -29,6 +29,7 @@ from lookup_decode.core.draft import Draft
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines import replay
+from lookup_decode.engines.hf.ties import first_difference
 
 # ------------------------------------------------------------------------------------ interleaving
 
@@ -132,10 +133,10 @@ def test_throughput_ratio_weighs_long_prompts_unlike_the_median():
     assert measure.throughput_ratio(base, other) == pytest.approx((110 / 15) / (110 / 20))
 
 
-def test_first_mismatch():
-    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
-    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
-    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+def test_first_mismatch():      # the benchmarks' first_mismatch is the package's ties.first_difference
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_accepted_histogram_from_accepted_at():

@@ -27,12 +27,13 @@ from tqdm import tqdm
 
 from benchmarks.harness import report, workloads
 from benchmarks.harness.loop import side_by_side
-from benchmarks.harness.metrics import accepted_histogram, copy_share, first_mismatch
+from benchmarks.harness.metrics import accepted_histogram, copy_share
 from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.forward import measure_forward_cost
+from lookup_decode.engines.hf.ties import first_difference
 from lookup_decode.measure import (
     LOOP_THRESHOLD,
     PLAIN,
@@ -81,7 +82,7 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer) 
         v = {"seconds": seconds, "seconds_all": [r.seconds for r in rs], "new_tokens": len(rs[0].tokens),
              "tokens_per_second": len(rs[0].tokens) / seconds,
              "identical": all(r.tokens == plain.tokens for r in rs),
-             "first_mismatch": first_mismatch(rs[0].tokens, plain.tokens)}
+             "first_mismatch": first_difference(rs[0].tokens, plain.tokens)}
         if rs[0].stats is not None:
             merged = DecodeStats()
             for r in rs:

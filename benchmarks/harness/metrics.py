@@ -69,9 +69,3 @@ def accepted_histogram(stats: DecodeStats) -> list[int]:
     return hist
 
 
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (or the shorter length), None when identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
