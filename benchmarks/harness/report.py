@@ -38,6 +38,8 @@ def aggregate_group(records: list[dict], variants: list[str]) -> dict:
             if base == name or base not in variants:
                 continue
             row[f"speedup_vs_{base}"] = spread(r[f"speedup_vs_{base}"][name] for r in records)
+            row[f"after_first_vs_{base}"] = spread(r[f"after_first_vs_{base}"][name] for r in records
+                                                   if name in r.get(f"after_first_vs_{base}", {}))
             row[f"throughput_ratio_vs_{base}"] = (throughput_ratio([_pair(r, base) for r in records],
                                                                    [_pair(r, name) for r in records])
                                                   if records else None)
@@ -102,7 +104,9 @@ def markdown(result: dict) -> str:
         + ".  ",
         "Variants: " + "; ".join(f"`{d}`" for d in settings["variant_descriptions"]), "",
         "Speed-up cells: median [quartiles] (min–max) of per-prompt tokens/s ratios. "
-        "Total: ratio of total throughput (all tokens / all seconds).", ""]
+        "Total: ratio of total throughput (all tokens / all seconds). After 1st token: the same ratio on the tokens "
+        "after the first and the seconds less plain's time for one token (the prefill, which drafting cannot "
+        "speed up).", ""]
     for subset, title in SUBSETS.items():
         agg = result["aggregate"][subset]
         cats = list(agg)
@@ -117,18 +121,19 @@ def markdown(result: dict) -> str:
                 continue
             vs_pld = PROMPT_LOOKUP in variants and v != PROMPT_LOOKUP
             lookup = any("mean_accepted_length" in agg[c][v] for c in cats)
-            head = ["category", "n", "vs plain", "total vs plain"] + (["vs prompt_lookup", "total vs p.l."] if vs_pld
-                                                                       else []) + ["identical"]
+            head = ["category", "n", "vs plain", "total vs plain", "after 1st token vs plain"] + (
+                ["vs prompt_lookup", "total vs p.l.", "after 1st token vs p.l."] if vs_pld else []) + ["identical"]
             if lookup:
                 head += ["mean acc. len", "acc. rate", "drafted/token", "proposer %"]
             lines += [f"### {v} ({title})", "", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
             for c in cats:
                 a = agg[c][v]
                 cells = [c, str(agg[c]["n"]), _x(a.get("speedup_vs_plain")),
-                         _f(a.get("throughput_ratio_vs_plain"), "x{:.2f}")]
+                         _f(a.get("throughput_ratio_vs_plain"), "x{:.2f}"), _x(a.get("after_first_vs_plain"))]
                 if vs_pld:
-                    cells += [_x(a.get("speedup_vs_prompt_lookup")), _f(a.get("throughput_ratio_vs_prompt_lookup"),
-                                                                       "x{:.2f}")]
+                    cells += [_x(a.get("speedup_vs_prompt_lookup")),
+                              _f(a.get("throughput_ratio_vs_prompt_lookup"), "x{:.2f}"),
+                              _x(a.get("after_first_vs_prompt_lookup"))]
                 cells.append(f"{a.get('identical', 0)}/{agg[c]['n']}")
                 if lookup:
                     cells += [_f(a.get("mean_accepted_length"), "{:.2f}"), _f(a.get("acceptance_rate"), "{:.0%}"),

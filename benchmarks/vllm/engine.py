@@ -217,6 +217,11 @@ def calibration_since(after: Calibration, before: Calibration) -> dict:
 
 # ------------------------------------------------------------------------------------------- the engine process
 
+def p99(values: list[float]) -> float | None:
+    """The 99th percentile by nearest rank (None for no values): the call that 1 in 100 is slower than."""
+    return sorted(values)[math.ceil(0.99 * len(values)) - 1] if values else None
+
+
 class Probe:
     """Counts what the engine does between `reset()` calls: model steps and their seconds (`EngineCore.step_fn`),
     the drafter's propose calls and seconds, and per step the requests that emitted tokens and how many
@@ -271,12 +276,13 @@ class Probe:
         self.row_steps = self.emitted = self.emitting_steps = 0
 
     def snapshot(self) -> dict:
-        """Sums, medians and the worst call since reset (seconds)."""
+        """Sums, medians, the 99th percentile and the worst call since reset (seconds)."""
         return {"steps": len(self.step_s), "step_s": sum(self.step_s),
                 "step_median_s": statistics.median(self.step_s) if self.step_s else None,
                 "proposes": len(self.propose_s), "propose_s": sum(self.propose_s),
                 "propose_median_s": statistics.median(self.propose_s) if self.propose_s else None,
                 "propose_max_s": max(self.propose_s) if self.propose_s else None,
+                "propose_p99_s": p99(self.propose_s),
                 "row_steps": self.row_steps, "emitted": self.emitted, "emitting_steps": self.emitting_steps}
 
 

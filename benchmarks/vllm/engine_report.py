@@ -114,8 +114,8 @@ def summarize(runs: list[dict]) -> dict:
     seconds), tok_s_by_repeat, tpot_ms, steps, row_steps, tokens_per_step (tokens each request gained per engine
     step it emitted in: 1.0 without speculation), drafted / kept / wasted (vLLM's draft tokens, accepted, and their
     difference), acceptance_length (1 + accepted / drafts) -- medians over repeats; accepted_per_pos and
-    preemptions summed; drafter_ms_mean and drafter_ms_worst (per propose call, over every repeat),
-    drafter_ms_per_step and drafter_share (propose seconds per engine step and over the steps' seconds);
+    preemptions summed; drafter_ms_mean, drafter_ms_p99 (the largest of the repeats') and drafter_ms_worst (per
+    propose call), drafter_ms_per_step and drafter_share (propose seconds per engine step and over the steps' seconds);
     calibration (the drafter's table summed over repeats, None without one); identical (requests whose tokens equal
     the reference's in every repeat); for lookup_decode, vs: {method: `spread` of the paired ratios ours / it, one
     per repeat both ran}.
@@ -134,6 +134,7 @@ def summarize(runs: list[dict]) -> dict:
             steps = sum(c["steps"] for c in cells)
             step_s = sum(c["step_s"] for c in cells)
             worst = [c["propose_max_s"] for c in cells if c.get("propose_max_s") is not None]
+            p99s = [c["propose_p99_s"] for c in cells if c.get("propose_p99_s") is not None]
             per_pos = [sum(x) for x in zip(*[c["accepted_per_pos"] for c in k if c["accepted_per_pos"]])]
             row = {"repeats": len(cells), "requests": len(cells[0]["tokens"]),
                    "output_tokens": _median([c["output_tokens"] for c in cells]),
@@ -154,6 +155,7 @@ def summarize(runs: list[dict]) -> dict:
                    "proposes": proposes,
                    "drafter_ms_mean": 1e3 * propose_s / proposes if proposes else None,
                    "drafter_ms_worst": 1e3 * max(worst) if worst and proposes else None,
+                   "drafter_ms_p99": 1e3 * max(p99s) if p99s and proposes else None,
                    "drafter_ms_per_step": 1e3 * propose_s / steps if steps and proposes else None,
                    "drafter_share": propose_s / step_s if step_s and proposes else None,
                    "calibration": _rows(calibration_total(c.get("calibration") for c in cells)),
@@ -308,14 +310,14 @@ def _tok_s_cells(s: dict | None) -> str:
 def cell_table(rows: dict) -> list[str]:
     """One (workload, batch, phase)'s rows, a line per method."""
     lines = [f"| method | tok/s median | min–max | IQR | {OURS} / this, paired | ms/tok | steps | tok/row-step | "
-             "drafted / kept / wasted | kept by position | drafter ms/call mean / worst | drafter share | same |",
+             "drafted / kept / wasted | kept by position | drafter ms/call mean / p99 / worst | drafter share | same |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for m, r in rows.items():
         vs = rows.get(OURS, {}).get("vs", {}).get(m)
         counts = "–" if not r["proposes"] and not r["drafted"] else \
             f"{r['drafted']:,.0f} / {r['kept']:,.0f} / {r['wasted']:,.0f}"
         drafter = "–" if r["drafter_ms_mean"] is None else \
-            f"{r['drafter_ms_mean']:.2f} / {_f(r['drafter_ms_worst'], '.1f')}"
+            f"{r['drafter_ms_mean']:.2f} / {_f(r.get('drafter_ms_p99'), '.2f')} / {_f(r['drafter_ms_worst'], '.1f')}"
         share = "–" if r["drafter_share"] is None else f"{100 * r['drafter_share']:.2f}%"
         same = "–" if r["identical"] is None else f"{r['identical']}/{r['requests']}"
         pre = f" ({r['preemptions']} preempted)" if r["preemptions"] else ""
@@ -382,8 +384,9 @@ def markdown(result: dict) -> str:
              "requests. steps: engine steps that ran the model. tok/row-step: tokens a request gained per step it "
              "emitted in (1 without speculation). drafted / kept / wasted: vLLM's spec-decode counters (draft "
              "tokens, accepted, their difference); kept by position: accepted draft tokens at positions 1..K, "
-             "summed over repeats. drafter ms/call: `drafter.propose` seconds per call, mean and "
-             "worst over every repeat; share: over the steps' seconds. Every count is a median over repeats. "
+             "summed over repeats. drafter ms/call: `drafter.propose` seconds per call, mean, 99th percentile "
+             "(the largest of the repeats') and worst over every repeat; share: over the steps' seconds. Every "
+             "count is a median over repeats. "
              "same: requests whose tokens equal no speculation's in every repeat.", ""]
     for workload, batches in summary.items():
         for b, phases in batches.items():
