@@ -225,25 +225,41 @@ def _table(text: str, after: str) -> tuple[list[str], list[list[str]]]:
     return rows[0], rows[2:]                                          # the header; the rows after its rule
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+# The README's compact tables and the full results they summarise (the code model in bfloat16, issue 32).
+README_TRANSFORMERS = RESULTS / "generate" / "code_model_bf16" / "results.md"
+README_VLLM = RESULTS / "vllm" / "engine_code_model_bf16.md"
+
+
+def _named(header: list[str], row: list[str]) -> dict[str, str]:
+    return dict(zip(header, row, strict=True))
+
+
 def test_readme_transformers_table_matches_the_full_results():
-    """Each row of the README's table is the median of the generated table in docs/benchmarks.md."""
-    _, full = _table(_text(DOCS / "benchmarks.md"), "Without loop-dominated outputs")
-    full = {row[0]: row for row in full}
-    _, short = _table(_text(README), "**transformers**")
+    """Each cell of the README's transformers table is the median of the same column of lookup_decode's table
+    (prompts without loops) in the full results."""
+    header, full = _table(_text(README_TRANSFORMERS), "### lookup_decode (without loop-dominated prompts)")
+    full = {row[0]: _named(header, row) for row in full}
+    short_header, short = _table(_text(README), "**transformers**")
     assert short, "README.md has no transformers results table"
-    for category, n, vs_plain, vs_pld, identical in short:
-        row = full[category]
-        assert [n, vs_plain, vs_pld, identical] == [row[1], row[2].split()[0], row[3].split()[0], row[4]], category
+    for row in short:
+        mine, theirs = _named(short_header, row), full[row[0]]
+        for column, cell in mine.items():
+            source = {"vs prompt lookup": "vs prompt_lookup", "after 1st token vs prompt lookup":
+                      "after 1st token vs p.l."}.get(column, column)
+            assert cell == theirs[source].split()[0], (row[0], column)
 
 
 def test_readme_vllm_table_matches_the_engine_results():
-    """tok/s of each method (and lookup_decode's tokens per step) from benchmarks/results/vllm/engine.md."""
-    engine = _text(ROOT / "benchmarks" / "results" / "vllm" / "engine.md")
+    """tok/s of each method (median over repeats) and lookup_decode's paired ratio over suffix, cold cells, from the
+    engine study's full results."""
+    engine = _text(README_VLLM)
     header, short = _table(_text(README), "**vLLM**")
     assert short, "README.md has no vLLM results table"
-    methods = header[2:-1]                                            # workload, batch, methods..., tok/step
+    methods = header[2:-1]                                            # workload, batch, methods..., ratio
     for workload, batch, *cells in short:
-        rows = {(r[0], r[1]): r for r in _table(engine, f"## {workload}")[1]}
+        t_header, rows = _table(engine, f"## {workload}, batch {batch}, cold")
+        rows = {r[0]: _named(t_header, r) for r in rows}
         for method, cell in zip(methods, cells[:-1], strict=True):
-            assert cell == rows[(batch, method)][2], (workload, batch, method, "tok/s")
-        assert cells[-1] == rows[(batch, "lookup_decode")][4], (workload, batch, "tok/step")
+            assert cell == rows[method]["tok/s median"], (workload, batch, method)
+        assert cells[-1] == rows["suffix"]["lookup_decode / this, paired"].split()[0], (workload, batch)
