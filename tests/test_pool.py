@@ -238,6 +238,14 @@ def test_growth_work_per_step_is_bounded_at_any_context():
     assert got.lengths.min() > 0 and pool.tokens(int(slots[0])).tolist() == matrix[0, :n].tolist()
 
 
+def test_a_new_pool_has_the_growth_kernels_compiled():
+    # Growth inside an engine step must not wait for numba: a memory outgrowing its room at batch 16 once stalled a
+    # vLLM step for 121 ms while `index.grown`'s rehash compiled. Building a pool compiles (or loads) them.
+    from lookup_decode.core import automaton as K
+    IndexPool(8)
+    assert K.extend.signatures and K.rehash.signatures
+
+
 def test_growth_reports_what_reserve_adds():
     # Before every step, growth() (what a memory bound checks) equals the change of pool.bytes the step's reserve
     # makes: a room grown now, or a growing copy started.

@@ -74,13 +74,16 @@ _drop_stale_cache()
 
 
 def _warm_up(window: int) -> None:
-    """Compile (or load) `automaton.extend` for the argument types `migrate` passes it, now: the first growth of
-    a long context must not wait for numba inside an engine step."""
+    """Compile (or load) now the kernels that growth calls: `automaton.extend` for the argument types `migrate`
+    passes it, and the rehash of `index.grown` (a slot's or a corpus's room doubling). The first growth must not
+    wait for numba inside an engine step: a memory of outputs outgrowing its room at batch 16 stalled one vLLM step
+    for 121 ms (benchmarks/results/vllm/engine_propose_b16.md)."""
     meta = np.zeros(K.META_SIZE, np.int64)
     tok, st, ed, hk, hv = new_automaton(4, meta, fill=False)
     hk[:] = -1
     src = np.array([1, 2, 1, 2], np.int32)
     K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
+    grown((tok, st, ed, hk, hv), meta, 4, 8)
 
 
 @dataclass
