@@ -163,12 +163,18 @@ def test_calibration_of_a_cell_is_the_difference_and_reads_back_both_forms():
 
 # ------------------------------------------------------------------------------------------- summary and goals
 
+def test_p99_is_the_nearest_rank():
+    assert vllm_engine.p99([]) is None and vllm_engine.p99([0.5]) == 0.5
+    assert vllm_engine.p99(list(range(1, 101))) == 99 and vllm_engine.p99(list(range(1, 201))) == 198
+
+
 def _cell(workload, batch, phase, wall, tokens, *, drafts=0, draft_tokens=0, accepted=0, steps=10, step_s=1.0,
           propose_s=0.0, proposes=0, row_steps=None, calibration=None, worst=None):
     n = sum(map(len, tokens.values()))
     return {"cell": 0, "workload": workload, "batch": batch, "phase": phase, "wall_s": wall, "output_tokens": n,
             "tokens": tokens, "tpot_s": 0.05, "steps": steps, "step_s": step_s, "proposes": proposes,
-            "propose_s": propose_s, "propose_max_s": worst, "row_steps": n if row_steps is None else row_steps,
+            "propose_s": propose_s, "propose_max_s": worst, "propose_p99_s": worst,
+            "row_steps": n if row_steps is None else row_steps,
             "emitted": n, "emitting_steps": steps, "calibration": calibration,
             "counters": {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted, "preemptions": 0,
                          "accepted_per_pos": [accepted, 0] if drafts else []}}
@@ -314,7 +320,7 @@ def test_markdown_tables_calibration_and_goal_lines_from_a_result(tmp_path, monk
     assert text.startswith("# lookup_decode vs vLLM's drafters") and "**reduced run: noisy**" in text
     assert "## code_edit, batch 1, cold (5 repeats)" in text and "## mt_bench, batch 8, again (5 repeats)" in text
     line = next(x for x in text.splitlines() if x.startswith("| lookup_decode | 7.27 |"))
-    assert "| 5.33–8.89 |" in line and "| 16 / 4 / 12 | 20/0 | 1.00 / 15.0 | 1.00% | 2/2 |" in line
+    assert "| 5.33–8.89 |" in line and "| 16 / 4 / 12 | 20/0 | 1.00 / 15.00 / 15.0 | 1.00% | 2/2 |" in line
     assert "| ngram | 5.45 | 4.00–6.67 |" in text and "| x1.33 (x1.33-x1.33, 5 pairs) |" in text
     assert "### code_edit, batch 1, cold" in text and "| 0.5–0.6 | 100 | 0.550 | 0.600 | +0.050 |" in text
     assert "* NOT MET: code edits >= ngram and suffix at batch 8 (cold)" in text
@@ -330,13 +336,14 @@ def test_markdown_tables_calibration_and_goal_lines_from_a_result(tmp_path, monk
 def test_results_before_the_phase_split_still_render(tmp_path):
     runs = fake_runs(repeats=2)
     for r in runs:
-        r["cells"] = [{k: v for k, v in c.items() if k not in ("phase", "propose_max_s", "calibration")}
+        old = ("phase", "propose_max_s", "propose_p99_s", "calibration")
+        r["cells"] = [{k: v for k, v in c.items() if k not in old}
                       for c in r["cells"] if c["phase"] == "cold"]
     s = summarize(runs)
     assert list(s["code_edit"]["1"]) == ["cold"] and s["code_edit"]["1"]["cold"]["ngram"]["drafter_ms_worst"] is None
     result = {"command": "c", "environment": {}, "settings": {**RESULT_SETTINGS, "label": None}, "runs": runs}
     vllm_engine.finish(result, tmp_path, "old")
-    assert "| 1.00 / – |" in (tmp_path / "old.md").read_text()
+    assert "| 1.00 / – / – |" in (tmp_path / "old.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------- the modelled replay
