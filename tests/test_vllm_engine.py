@@ -236,8 +236,10 @@ def test_eight_mixed_requests_identical_and_drafts_accepted(reference, lookup):
     assert len(ref) == 8 and len({len(t) for t in ref}) >= 4          # they finish at different steps
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a == b, f"request {i} differs from no speculation at token {_first_diff(a, b)}"
+    # How long the default drafter's drafts are depends on the step times it measures on this machine (a busy
+    # CI run sent only short ones: 112 drafted, 112 kept, none at position K), so whole K-token drafts are
+    # asserted on the preemption engine, where every proposed token is sent.
     assert _accepted(lookup["mixed"]["metrics"]) > 0
-    assert lookup["mixed"]["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"][K - 1] > 0   # whole drafts kept
 
 
 def test_at_least_as_exact_as_vllm_ngram(reference, lookup, tmp_path_factory):
@@ -259,6 +261,7 @@ def test_preemption_and_max_model_len_outputs_identical(reference, preempt):
     assert len(got[0]) < len(ref[0]) and got[0] == ref[0][:len(got[0])]
     for i in range(1, len(got)):
         assert got[i] == ref[i], f"request {i} differs from no speculation at token {_first_diff(got[i], ref[i])}"
+    assert preempt["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"][K - 1] > 0   # whole drafts kept
 
 
 def test_max_model_len_skipped_the_drafter_while_others_ran(preempt):
