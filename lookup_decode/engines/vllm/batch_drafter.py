@@ -177,7 +177,7 @@ class BatchDrafter:
             prefill = int(counts[emitted == 0].sum()) + int((r_counts[claim.starts == 0] - 1).sum())
             if self.budget is not None:             # chunked: a step's chunks fill at most the budget
                 prefill = max(0, min(prefill, int(self.budget) - verified))
-            self.cost.observe(verified, now - self._last, prefill_tokens=prefill)
+            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > len(rows))
         placed = self._within_bound(claim, r_counts)
         # Requests the engine no longer holds have finished (none has while every known one has a row here).
         if engine is not None and len(table.id_of) > len(rows):
