@@ -224,7 +224,8 @@ def p99(values: list[float]) -> float | None:
 
 class Probe:
     """Counts what the engine does between `reset()` calls: model steps and their seconds (`EngineCore.step_fn`),
-    the drafter's propose calls and seconds, and per step the requests that emitted tokens and how many
+    apart by whether they verified any draft token (what a draft costs a step beyond its tokens), the drafter's
+    propose calls and seconds, and per step the requests that emitted tokens and how many
     (`Scheduler.update_from_output`). Wraps instance attributes only; the engine is otherwise untouched."""
 
     def __init__(self, core, runner):
@@ -250,11 +251,14 @@ class Probe:
             dt = time.perf_counter() - t
             if out[1]:                       # the model ran (else: nothing scheduled)
                 self.step_s.append(dt)
+                (self.drafted_s if self._spec else self.undrafted_s).append(dt)
+            self._spec = 0
             return out
         core.step_fn = timed_step
         update = core.scheduler.update_from_output
 
         def counted_update(scheduler_output, model_output):
+            self._spec = sum(map(len, (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).values()))
             outputs = update(scheduler_output, model_output)
             rows = tokens = 0
             for eco in outputs.values():
@@ -273,6 +277,9 @@ class Probe:
     def reset(self):
         self.propose_s: list[float] = []
         self.step_s: list[float] = []
+        self.drafted_s: list[float] = []
+        self.undrafted_s: list[float] = []
+        self._spec = 0
         self.row_steps = self.emitted = self.emitting_steps = 0
 
     def snapshot(self) -> dict:
@@ -283,6 +290,11 @@ class Probe:
                 "propose_median_s": statistics.median(self.propose_s) if self.propose_s else None,
                 "propose_max_s": max(self.propose_s) if self.propose_s else None,
                 "propose_p99_s": p99(self.propose_s),
+                "steps_drafted": len(self.drafted_s),
+                "step_drafted_median_s": statistics.median(self.drafted_s) if self.drafted_s else None,
+                "step_undrafted_median_s": statistics.median(self.undrafted_s) if self.undrafted_s else None,
+                # lookup_decode's learned step cost (fixed, per token, per prefill token, jump; seconds) at the end
+                "step_cost_terms": getattr(getattr(self.drafter, "cost", None), "terms", None),
                 "row_steps": self.row_steps, "emitted": self.emitted, "emitting_steps": self.emitting_steps}
 
 

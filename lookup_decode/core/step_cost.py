@@ -191,16 +191,20 @@ class StepCost:
         cov = np.array([[self.sums[_AT[min(i, j), max(i, j)]] - w * mean[i] * mean[j] for j in range(1, 5)]
                         for i in range(1, 5)])
         a = cov[:3, :3] + np.diag([0.0, PREFILL_PRIOR, JUMP_PRIOR])
+        slope, spread = 0.0, 0.0                    # the tokens never varied: no slope, the prior's
         if a[0, 0] > 1e-9:
             slope, extra, jump = np.linalg.solve(a, cov[:3, 3])
             # The data's weight grows with the spread of tokens the other terms do not take up: steps that all
             # verified the same number of tokens (or as many as whether they drafted says) say nothing of the slope.
             spread = 1.0 / np.linalg.inv(a)[0, 0]
-        else:                                       # the tokens never varied: no slope, the prior's
-            slope, spread = 0.0, 0.0
+        if slope <= 0:
+            # Tokens nearly free, and noise (or the jump taking it all) tips the slope below 0: the slope is
+            # 0 and the other terms are fitted without it, so that the jump is kept (dropping the whole fit
+            # here would price drafts by the prior's line alone, the jump forgotten).
+            slope = 0.0
             extra, jump = np.linalg.solve(a[1:, 1:], cov[1:3, 3])
         fixed = mean[4] - slope * mean[1] - extra * mean[2] - jump * mean[3]
-        if fixed <= 0 or slope < 0:                 # noise, or a line through a cloud: the prior stands
+        if fixed <= 0:                              # noise, or a line through a cloud: the prior stands
             return None
         trust = spread / (spread + self.prior_weight)
         return trust * slope / fixed + (1 - trust) * self.prior, float(extra), max(float(jump), 0.0)
