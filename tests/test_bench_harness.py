@@ -233,7 +233,7 @@ def test_replay_with_policy_verifies_what_the_policy_chooses():
     from lookup_decode.core.policy import DraftPolicy
 
     class Fixed(DraftPolicy):
-        def choose(self, drafts, p=None):
+        def choose(self, drafts, p=None, room=None):
             return 1 + min(1, max(len(d) for d in drafts))
 
     index = SuffixIndex(PROMPT, min_match=2)

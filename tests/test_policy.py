@@ -233,3 +233,16 @@ def test_constants_are_passed_to_the_kernels():
     assert shallow.p_kept([draft], [0])[0][0] > 0.9
     with pytest.raises(ValueError, match="unknown acceptance parameters"):
         A.params(forgett=0.5)
+
+
+def test_a_batch_widens_its_forward_only_for_the_rows_furthest_from_their_end():
+    """A static batch runs until its last row ends: a row that is ahead gains nothing from a wider forward."""
+    cost = CostCurve([1, 8, 33], [1.0, 1.3, 2.5], 33)
+    policy = DraftPolicy(32, cost)
+    drafts = [Draft(np.arange(16, dtype=np.int32), 60), Draft(np.zeros(0, np.int32), 1)]   # a long match; nothing
+    wide = policy.choose(drafts)
+    assert wide > 1
+    assert policy.choose(drafts, room=[40, 40]) == wide        # level rows: every row counts, as without room
+    assert policy.choose(drafts, room=[100, 60]) > 1            # the copying row is the one behind
+    assert policy.choose(drafts, room=[60, 100]) == 1           # it is ahead: the row behind has nothing to draft
+    assert policy.last_p.shape == (2, 16)                       # calibration still sees every row's prices

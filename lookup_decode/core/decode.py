@@ -144,7 +144,7 @@ def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, st
     # 2. Price every draft token (the acceptance model), then choose one width for the forward: within it a row's
     # extra draft tokens cost nothing more.
     p = policy.p_kept(fulls, rows.active)
-    n = policy.choose(fulls, p) - 1
+    n = policy.choose(fulls, p, room=[rows.room(b) for b in rows.active]) - 1
     drafts = [policy.fit(full, n, limit, forward.draft_kind) for full, limit in zip(fulls, limits)]
     stats.proposer_s += time.perf_counter() - t
 
