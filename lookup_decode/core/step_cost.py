@@ -186,28 +186,34 @@ class StepCost:
         # Weighted least squares of y on (u, p, d), centred. Ridges: on `extra`, toward a prompt token costing what
         # a verified one does (where the verified tokens barely vary, as on a loaded server sending few drafts, the
         # prefill chunks still show the slope); on `jump`, toward none (a step kind rarely seen says little).
-        # A regressor that never varied gets 0 from its ridge, the fit of before.
+        # A regressor that never varied gets 0 from its ridge, the fit of before. Plain floats and Cramer's rule:
+        # this runs at every engine step, where numpy's linear algebra calls cost more than the arithmetic.
         mean = [self.sums[_AT[0, i]] / w for i in range(5)]
-        cov = np.array([[self.sums[_AT[min(i, j), max(i, j)]] - w * mean[i] * mean[j] for j in range(1, 5)]
-                        for i in range(1, 5)])
-        a = cov[:3, :3] + np.diag([0.0, PREFILL_PRIOR, JUMP_PRIOR])
+
+        def cov(i, j):
+            return self.sums[_AT[min(i, j), max(i, j)]] - w * mean[i] * mean[j]
+        uu, up, ud, pp, pd, dd = cov(1, 1), cov(1, 2), cov(1, 3), cov(2, 2) + PREFILL_PRIOR, cov(2, 3), \
+            cov(3, 3) + JUMP_PRIOR
+        uy, py, dy = cov(1, 4), cov(2, 4), cov(3, 4)
+        minor = pp * dd - pd * pd                   # > 0: the ridges keep the (p, d) block positive definite
         slope, spread = 0.0, 0.0                    # the tokens never varied: no slope, the prior's
-        if a[0, 0] > 1e-9:
-            slope, extra, jump = np.linalg.solve(a, cov[:3, 3])
-            # The data's weight grows with the spread of tokens the other terms do not take up: steps that all
-            # verified the same number of tokens (or as many as whether they drafted says) say nothing of the slope.
-            spread = 1.0 / np.linalg.inv(a)[0, 0]
-        if slope <= 0:
-            # Tokens nearly free, and noise (or the jump taking it all) tips the slope below 0: the slope is
-            # 0 and the other terms are fitted without it, so that the jump is kept (dropping the whole fit
-            # here would price drafts by the prior's line alone, the jump forgotten).
-            slope = 0.0
-            extra, jump = np.linalg.solve(a[1:, 1:], cov[1:3, 3])
+        if uu > 1e-9:
+            # The data's weight grows with the spread of tokens the other terms do not take up (the Schur
+            # complement): steps that all verified the same number of tokens (or as many as whether they drafted
+            # says) say nothing of the slope.
+            spread = uu - (up * (up * dd - ud * pd) - ud * (up * pd - ud * pp)) / minor
+            if spread > 1e-12:
+                slope = (uy - (up * ((py * dd - dy * pd) / minor) + ud * ((dy * pp - py * pd) / minor))) / spread
+        # A slope below 0 (tokens nearly free, and noise or the jump taking it all) is 0, the other terms fitted
+        # without it, so that the jump is kept (dropping the whole fit would price drafts by the prior alone).
+        slope = max(slope, 0.0)
+        py, dy = py - up * slope, dy - ud * slope   # (extra, jump): the (p, d) block, the slope's share taken out
+        extra, jump = (py * dd - dy * pd) / minor, (dy * pp - py * pd) / minor
         fixed = mean[4] - slope * mean[1] - extra * mean[2] - jump * mean[3]
         if fixed <= 0:                              # noise, or a line through a cloud: the prior stands
             return None
         trust = spread / (spread + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior, float(extra), max(float(jump), 0.0)
+        return trust * slope / fixed + (1 - trust) * self.prior, extra, max(jump, 0.0)
 
     def _model(self):
         """(token_cost, terms, each graph size's modelled seconds / fixed or None), once per observed step."""
