@@ -297,7 +297,7 @@ class RequestTable:
         n = len(counts)
         if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
             self.row_ids = ids[:n]
-            self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64, n)
+            self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
         if self._steady_out[0].shape[1] < n:
             self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n),
                                 self._steady_out[3])
