@@ -32,8 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Container
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,51 +41,12 @@ from lookup_decode.core.pool import IndexPool
 from lookup_decode.core.step_cost import StepCost
 from lookup_decode.engines.vllm import request_args
 from lookup_decode.engines.vllm.keeper import Keeper
-from lookup_decode.engines.vllm.requests import NO_LIMIT, RequestTable
+from lookup_decode.engines.vllm.requests import NO_LIMIT, Drafts, EngineRequests, Request, RequestInfo, RequestTable
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path
-from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats, RequestStats
+from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats
 from lookup_decode.sources.memory import Memory, References, load_references, prediction_of
 
 log = logging.getLogger("lookup_decode.vllm")
-
-
-@dataclass(frozen=True)
-class RequestInfo:
-    """What the engine tells of a request when it starts (None: not told)."""
-    prompt_len: int = -1               # its prompt's tokens (-1: unknown)
-    temperature: float = 0.0           # its sampling temperature (0: greedy)
-    max_tokens: int | None = None      # its most output tokens
-    extra_args: dict | None = None     # its per-request settings (`request_args`)
-
-
-@dataclass
-class EngineRequests:
-    """The engine's requests, for a call whose rows it names: `ids[i]` is row i's request id (None: unknown),
-    `held` holds the ids of the requests the engine still has (a finished one is absent, a preempted one not),
-    `info(id)` tells a new request's `RequestInfo`."""
-    ids: list
-    held: Container
-    info: Callable[[str], RequestInfo]
-
-
-@dataclass
-class Request:
-    """One request's own settings, made from its `RequestInfo` by `BatchDrafter._start`."""
-    id: str
-    stats: RequestStats                # its counters (in DrafterStats.requests)
-    k: int = NO_LIMIT                  # its most draft tokens per step (lookup_decode_k)
-    temperature: float = 0.0           # its sampling temperature (acceptance cells per temperature)
-    end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
-    memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
-    prediction: References | None = None   # its own corpus (lookup_decode_prediction)
-
-
-@dataclass
-class Drafts:
-    """One call's drafts: row rows[j] is sent tokens[j, :lengths[j]]."""
-    rows: np.ndarray                   # int64 [r]
-    lengths: np.ndarray                # int64 [r]
-    tokens: np.ndarray                 # int32 [r, k]
 
 
 class BatchDrafter:

@@ -33,6 +33,7 @@ not its slot's text continued, a row at max_model_len) takes the general path.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,8 @@ from numba import njit
 
 from lookup_decode.core.automaton import N_TOKENS
 from lookup_decode.core.pool import IndexPool
+from lookup_decode.engines.vllm.stats import RequestStats
+from lookup_decode.sources.memory import Memory, References
 
 # Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
 # requests that share a long template at both ends (same system prompt, same closing question).
@@ -138,6 +141,45 @@ def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
     out = np.zeros(len(rows), np.uint64)
     _fingerprints(token_ids, rows, lengths, _MULT, out)
     return out
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the engine tells of a request when it starts (None: not told)."""
+    prompt_len: int = -1               # its prompt's tokens (-1: unknown)
+    temperature: float = 0.0           # its sampling temperature (0: greedy)
+    max_tokens: int | None = None      # its most output tokens
+    extra_args: dict | None = None     # its per-request settings (`request_args`)
+
+
+@dataclass
+class EngineRequests:
+    """The engine's requests, for a call whose rows it names: `ids[i]` is row i's request id (None: unknown),
+    `held` holds the ids of the requests the engine still has (a finished one is absent, a preempted one not),
+    `info(id)` tells a new request's `RequestInfo`."""
+    ids: list
+    held: Container
+    info: Callable[[str], RequestInfo]
+
+
+@dataclass
+class Request:
+    """One request's own settings, made from its `RequestInfo` by `BatchDrafter._start`."""
+    id: str
+    stats: RequestStats                # its counters (in DrafterStats.requests)
+    k: int = NO_LIMIT                  # its most draft tokens per step (lookup_decode_k)
+    temperature: float = 0.0           # its sampling temperature (acceptance cells per temperature)
+    end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
+    memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
+    prediction: References | None = None   # its own corpus (lookup_decode_prediction)
+
+
+@dataclass
+class Drafts:
+    """One call's drafts: row rows[j] is sent tokens[j, :lengths[j]]."""
+    rows: np.ndarray                   # int64 [r]
+    lengths: np.ndarray                # int64 [r]
+    tokens: np.ndarray                 # int32 [r, k]
 
 
 @dataclass
