@@ -290,7 +290,8 @@ class IndexPool:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self, matrix: np.ndarray, rows: np.ndarray, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-             limits: np.ndarray, learn: np.ndarray, corpora=(), temperatures=None, row_corpora=None) -> "Step":
+             limits: np.ndarray, learn: np.ndarray, corpora=(), temperatures=None, row_corpora=None,
+             fits: bool = False) -> "Step":
         """Learn, extend and draft for every row at once (the returned arrays are reused by the next call).
 
         matrix: int32 [R, L], row rows[i] holding its request's tokens; slot slots[i] has indexed
@@ -303,16 +304,17 @@ class IndexPool:
         prediction, whose draft goes first while it rests on corpus_min_match tokens. A slot's role must name the
         same corpus at every call (its cursor follows that corpus; a new version is re-walked). None: every row
         reads corpora[c] as role c. temperatures: float [r], each row's sampling temperature (None: all greedy),
-        priced in cells of its own.
+        priced in cells of its own. fits: the caller knows that no slot holds 3/4 of its room after the call (no
+        growth to start: `reserve` is skipped).
         """
         # Every array the kernel takes is the caller's or one kept from call to call: a numpy call here costs about
         # a microsecond, the kernel's work for one row a few.
         rows, slots = np.asarray(rows, np.int64), np.asarray(slots, np.int64)
         starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
-        more = ends - starts
-        self.reserve(slots, more)
+        if not fits:
+            self.reserve(slots, ends - starts)
         if self.copies:
-            self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int(more.sum()))
+            self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int((ends - starts).sum()))
         r = len(rows)
         out = self._out_of(r)
         if row_corpora is None:

@@ -19,6 +19,12 @@ One call (`BatchDrafter.draft`) does, for all rows at once:
 Each request's own settings are one `Request` record, made by `_start` from what the engine tells of it
 (`RequestInfo`): a new per-request knob is a field of `Request`, the line of `_start` that reads it, and its use.
 A failure never stops the engine: a call that raises is logged once, drafts nothing, and the drafter starts afresh.
+
+Most calls bring no new request: by id, every row that emitted tokens holds a known request, continued by them.
+Such a call (`_steady`) skips most of step 1 and the general path's bookkeeping: one compiled call
+(`RequestTable.steady`) checks that and gives the arrays of step 4. A call after a model's forward finds its
+objects out of the caches, so it is the count of numpy calls and Python frames a call touches, more than their
+work, that sets its time.
 """
 
 from __future__ import annotations
@@ -26,8 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Container
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,55 +41,18 @@ from lookup_decode.core.pool import IndexPool
 from lookup_decode.core.step_cost import StepCost
 from lookup_decode.engines.vllm import request_args
 from lookup_decode.engines.vllm.keeper import Keeper
-from lookup_decode.engines.vllm.requests import NO_LIMIT, RequestTable
+from lookup_decode.engines.vllm.requests import NO_LIMIT, Drafts, EngineRequests, Request, RequestInfo, RequestTable
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path
-from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats, RequestStats
+from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats
 from lookup_decode.sources.memory import Memory, References, load_references, prediction_of
 
 log = logging.getLogger("lookup_decode.vllm")
 
 
-@dataclass(frozen=True)
-class RequestInfo:
-    """What the engine tells of a request when it starts (None: not told)."""
-    prompt_len: int = -1               # its prompt's tokens (-1: unknown)
-    temperature: float = 0.0           # its sampling temperature (0: greedy)
-    max_tokens: int | None = None      # its most output tokens
-    extra_args: dict | None = None     # its per-request settings (`request_args`)
-
-
-@dataclass
-class EngineRequests:
-    """The engine's requests, for a call whose rows it names: `ids[i]` is row i's request id (None: unknown),
-    `held` holds the ids of the requests the engine still has (a finished one is absent, a preempted one not),
-    `info(id)` tells a new request's `RequestInfo`."""
-    ids: list
-    held: Container
-    info: Callable[[str], RequestInfo]
-
-
-@dataclass
-class Request:
-    """One request's own settings, made from its `RequestInfo` by `BatchDrafter._start`."""
-    id: str
-    stats: RequestStats                # its counters (in DrafterStats.requests)
-    k: int = NO_LIMIT                  # its most draft tokens per step (lookup_decode_k)
-    temperature: float = 0.0           # its sampling temperature (acceptance cells per temperature)
-    end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
-    memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
-    prediction: References | None = None   # its own corpus (lookup_decode_prediction)
-
-
-@dataclass
-class Drafts:
-    """One call's drafts: row rows[j] is sent tokens[j, :lengths[j]]."""
-    rows: np.ndarray                   # int64 [r]
-    lengths: np.ndarray                # int64 [r]
-    tokens: np.ndarray                 # int32 [r, k]
-
-
 class BatchDrafter:
     """Drafts for a batch of rows, keeping each request's index, the memory of outputs and the step cost."""
+
+    steady_path = True                  # False: every call takes the general path (tests compare the two)
 
     def __init__(self, settings: Settings, num_speculative_tokens: int, *, max_model_len: int | None = None,
                  vocab_size: int | None = None, eos_token_ids=(), memory: Memory | None = None,
@@ -128,6 +96,7 @@ class BatchDrafter:
         self.records: dict[int, Request] = {}      # slot -> its request's record (requests followed by id)
         self._own: set[int] = set()                 # slots whose record has its own memory or prediction
         self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
+        self._shared = None                         # the shared corpora and the roles of rows reading them
         self._call = 0
         self._last = None                           # when the last call started
 
@@ -161,6 +130,11 @@ class BatchDrafter:
     def _draft(self, matrix, counts, emitted, engine: EngineRequests | None, now: float) -> Drafts:
         self._call += 1
         self.stats.steps += 1
+        if engine is not None and self.steady_path:
+            out = self._steady(matrix, counts, emitted, engine, now)
+            if out is not None:
+                return out
+        self.requests.row_ids = None                # slots may change: the next call finds its rows' slots by id
         rows = np.flatnonzero(emitted > 0)
         if self.max_model_len is not None:
             rows = rows[counts[rows] < self.max_model_len]
@@ -190,32 +164,89 @@ class BatchDrafter:
         limits = np.minimum(np.minimum(table.limit[slots], self.k), table.end[slots] - ends - 1)
         if self.max_model_len is not None:
             limits = np.minimum(limits, self.max_model_len - ends - 1)
-        corpora, row_corpora = self._corpora_of(slots)
-        with contextlib.ExitStack() as held:        # the corpora stay unchanged while the pool reads them
-            step = self.pool.step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0),
-                                  claim.learn[placed], [held.enter_context(c.reading()) for c in corpora],
-                                  temperatures=table.temperature[slots], row_corpora=row_corpora)
+        step = self._step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0), claim.learn[placed],
+                          table.temperature[slots], self._corpora_of(slots))
         if engine is None:
             table.file(matrix, rows, slots, ends, self._call)
-        self._learned(step, slots)
-        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
         s = self.stats
-        s.rows += len(rows)
-        s.drafted += int(lengths.sum())
         for name in ("built", "continued", "resumed", "rebuilt"):
             setattr(s, name, getattr(s, name) + getattr(claim, name))
         s.extended += len(rows) - claim.built - claim.continued
         s.refused += int((claim.slots < 0).sum())
+        return self._sent(step, rows, slots, now, engine)
+
+    def _steady(self, matrix, counts, emitted, engine: EngineRequests, now: float) -> Drafts | None:
+        """A call in the steady state (`RequestTable.steady`: no row new, refused or rebuilt) far below the byte
+        bound: the general path's drafts with a few numpy calls. None (nothing changed): take the general path."""
+        table = self.requests
+        got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
+                           max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
+                           check_end=self.memory is not None)
+        if got is None:
+            return None
+        rows, slots, starts, ends, limits, learn, temps, (verified, prefill, continued, most, near, ended) = got
+        r = len(rows)
+        room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
+        if 4 * (self.pool.bytes + r * room) > self.settings.max_index_bytes:
+            return None                             # (the general path marks the same slots seen)
+        if self._last is not None and continued == 0:     # as in _draft
+            if self.budget is not None:
+                prefill = max(0, min(prefill, int(self.budget) - verified))
+            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > r)
+        if len(table.id_of) > r:                    # as in _draft
+            for s in [s for s, rid in table.id_of.items() if rid not in engine.held]:
+                self._drop(s, "retired")
+        if ended:
+            self._store_finished(matrix, rows, slots, ends, absent=False)
+        corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
+        step = self._step(matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits=not near)
+        self.stats.continued += continued
+        self.stats.extended += r - continued
+        return self._sent(step, rows, slots, now, engine)
+
+    def _shared_corpora(self, r: int) -> tuple[list, np.ndarray | None]:
+        """`_corpora_of` r rows that read only the shared corpora (None for the roles where they are the pool's
+        default: corpus c in role c)."""
+        if self._shared is None or self._shared[1] is not None and len(self._shared[1]) < r:
+            corpora, roles = self._corpora_of(np.full(max(64, 2 * r), -1, np.int64))
+            default = roles[0].tolist() == list(range(len(corpora))) + [-1] * (roles.shape[1] - len(corpora))
+            self._shared = corpora, None if default else roles
+        corpora, roles = self._shared
+        return corpora, None if roles is None else roles[:r]
+
+    def _step(self, matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits: bool = False):
+        """`IndexPool.step` over these rows, the corpora (the distinct ones, and each row's roles) unchanged while
+        it reads them."""
+        corpora, row_corpora = corpora
+        if len(corpora) == 1:
+            with corpora[0].reading() as only:
+                return self.pool.step(matrix, rows, slots, starts, ends, limits, learn, [only], temperatures=temps,
+                                      row_corpora=row_corpora, fits=fits)
+        with contextlib.ExitStack() as held:
+            return self.pool.step(matrix, rows, slots, starts, ends, limits, learn,
+                                  [held.enter_context(c.reading()) for c in corpora], temperatures=temps,
+                                  row_corpora=row_corpora, fits=fits)
+
+    def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None) -> Drafts:
+        """What the engine kept of the last drafts learned, this call's lengths chosen and recorded, idle requests
+        retired."""
+        table = self.requests
+        self._learned(step, slots)
+        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
+        s, sent = self.stats, lengths.tolist()
+        s.rows += len(rows)
+        s.drafted += sum(sent)
         if self.records:
-            for slot, n in zip(slots[lengths > 0].tolist(), lengths[lengths > 0].tolist()):
-                if slot in self.records:
+            for slot, n in zip(slots.tolist(), sent):
+                if n and slot in self.records:
                     self.records[slot].stats.drafted += n
         table.sent[slots] = lengths
         if len(self._p_sent) < self.pool.slots:
             self._p_sent = np.concatenate([self._p_sent, np.zeros((self.pool.slots + 64 - len(self._p_sent), self.k))])
         self._p_sent[slots] = step.p_kept
         self._last = now
-        if self._call % self._retire_every == 0:     # a bounded delay; the scan over live requests is O(requests)
+        # A bounded delay; the scan over live requests is O(requests), and finds none while all are in this call.
+        if self._call % self._retire_every == 0 and len(table.live) > len(rows):
             for slot in table.idle(self._call - self.settings.idle_steps):
                 if engine is None or table.id_of.get(slot) not in engine.held:
                     self._drop(slot, "retired")
@@ -225,32 +256,34 @@ class BatchDrafter:
 
     def _learned(self, step, slots: np.ndarray) -> None:
         """What the engine kept of the last drafts: statistics, calibration, and credit to the corpus entries
-        drafted from."""
-        learned = step.kept >= 0
-        if learned.any():               # of the tokens sent last call, priced at _p_sent: the prefix kept
-            sl = slots[learned]
-            sent = self.requests.sent[sl]
-            self.stats.reliability.observe_rows(self._p_sent[sl], sent, np.minimum(step.kept[learned], sent))
-        kept = np.maximum(step.kept, 0)
-        total = int(kept.sum())
+        drafted from. (Python over a few rows' lists costs less than numpy's masks over them.)"""
+        kept = step.kept.tolist()
+        if max(kept, default=-1) < 0:
+            return
+        sent = self.requests.sent[slots]        # of the tokens sent last call, priced at _p_sent: the prefix kept
+        if min(kept) >= 0:
+            self.stats.reliability.observe_rows(self._p_sent[slots], sent, np.minimum(step.kept, sent))
+        else:
+            learned = step.kept >= 0
+            sl, sent_l = slots[learned], sent[learned]
+            self.stats.reliability.observe_rows(self._p_sent[sl], sent_l, np.minimum(step.kept[learned], sent_l))
+        total = sum(n for n in kept if n > 0)
         if not total:
             return
         self.stats.accepted += total
-        for src, n in enumerate(np.bincount(step.credit[:, 0].clip(0), weights=kept, minlength=len(SOURCES))):
-            if n:
-                self.stats.sources[SOURCES[src]] += int(n)
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
-        kept_sent = np.minimum(kept, self.requests.sent[slots])
-        credited = (kept > 0) & (step.credit[:, 0] > 0) if not self.records else kept > 0
-        for i in np.flatnonzero(credited).tolist():
-            s, (src, version, position) = int(slots[i]), step.credit[i].tolist()
-            record = self.records.get(s)
-            if record is not None and kept_sent[i]:
-                record.stats.accepted += int(kept_sent[i])
-                record.stats.sources[SOURCES[src]] += int(kept_sent[i])
+        sources, records = self.stats.sources, self.records
+        for s, n, n_sent, (src, version, position) in zip(slots.tolist(), kept, sent.tolist(), step.credit.tolist()):
+            if n <= 0:
+                continue
+            sources[SOURCES[src]] += n
+            record = records.get(s)
+            if record is not None and min(n, n_sent):
+                record.stats.accepted += min(n, n_sent)
+                record.stats.sources[SOURCES[src]] += min(n, n_sent)
             if src > 0:
-                self._roles(s)[src - 1].credit(version, position, int(kept[i]))
+                self._roles(s)[src - 1].credit(version, position, n)
 
     # -- requests: ids, records, corpora --------------------------------------------------------------
     def _claim_ids(self, engine: EngineRequests, rows, counts, emitted):

@@ -24,17 +24,25 @@ call. What the fast path cannot place:
 
 A mistaken recognition (two requests agreeing on every sampled position) can only cost draft quality: vLLM
 verifies every draft, so the output never depends on the drafter.
+
+The steady state (`RequestTable.steady`): by id, every row that emitted tokens holds a known request, continued by
+them. One compiled call checks that and gives the step's per-row arrays; anything else (a request new, refused or
+not its slot's text continued, a row at max_model_len) takes the general path.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
 
+from lookup_decode.core.automaton import N_TOKENS
 from lookup_decode.core.pool import IndexPool
+from lookup_decode.engines.vllm.stats import RequestStats
+from lookup_decode.sources.memory import Memory, References
 
 # Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
 # requests that share a long template at both ends (same system prompt, same closing question).
@@ -72,6 +80,56 @@ def _fingerprints(matrix, rows, lengths, mult, out):
         out[j] = h + np.uint64(n) * mult[-1]
 
 
+@njit(cache=True, nogil=True)
+def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps, sums):
+    """The kernel of `RequestTable.steady`: the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn,
+    temps, and sums (verified, prefill, continued, most new tokens, any slot near its room's end, rows ended);
+    returns the rows (-1: not the steady state, nothing written)."""
+    limit, end, sent, last_seen = per_slot
+    k, max_len, check_end, call = rules[0], rules[1], rules[2], rules[3]
+    r = verified = prefill = continued = most = near = ended = 0
+    if row_slots.shape[0] != counts.shape[0]:
+        return -1
+    for i in range(counts.shape[0]):
+        n = counts[i]
+        if emitted[i] == 0:
+            prefill += n                    # a row still prefilling
+            continue
+        s = row_slots[i]
+        if s < 0 or n >= max_len:
+            return -1
+        before, have = n - emitted[i], meta[s, N_TOKENS]
+        if have > before:                   # not the slot's text continued
+            return -1
+        if check_end:                       # a finished request (its output is stored before drafting)
+            if n >= end[s]:
+                ended += 1
+            else:
+                for e in eos:
+                    if matrix[i, n - 1] == e:
+                        ended += 1
+                        break
+        out[0, r], out[1, r], out[2, r], out[3, r] = i, s, have, n
+        out[4, r] = max(min(limit[s], k, end[s] - n - 1, max_len - n - 1), 0)
+        learn[r] = have == before
+        if have < before:
+            continued += 1
+        temps[r] = temperature[s]
+        verified += 1 + sent[s]
+        if have == 0:
+            prefill += n - 1
+        most = max(most, n - have)
+        if 4 * n > 3 * cap[s]:
+            near = 1
+        r += 1
+    if r == 0:
+        return -1
+    for j in range(r):
+        last_seen[out[1, j]] = call
+    sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = verified, prefill, continued, most, near, ended
+    return r
+
+
 def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
     """uint64 [r]: a fingerprint of token_ids[rows[j], :lengths[j]] for each j, from O(1) tokens per row.
 
@@ -83,6 +141,45 @@ def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
     out = np.zeros(len(rows), np.uint64)
     _fingerprints(token_ids, rows, lengths, _MULT, out)
     return out
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the engine tells of a request when it starts (None: not told)."""
+    prompt_len: int = -1               # its prompt's tokens (-1: unknown)
+    temperature: float = 0.0           # its sampling temperature (0: greedy)
+    max_tokens: int | None = None      # its most output tokens
+    extra_args: dict | None = None     # its per-request settings (`request_args`)
+
+
+@dataclass
+class EngineRequests:
+    """The engine's requests, for a call whose rows it names: `ids[i]` is row i's request id (None: unknown),
+    `held` holds the ids of the requests the engine still has (a finished one is absent, a preempted one not),
+    `info(id)` tells a new request's `RequestInfo`."""
+    ids: list
+    held: Container
+    info: Callable[[str], RequestInfo]
+
+
+@dataclass
+class Request:
+    """One request's own settings, made from its `RequestInfo` by `BatchDrafter._start`."""
+    id: str
+    stats: RequestStats                # its counters (in DrafterStats.requests)
+    k: int = NO_LIMIT                  # its most draft tokens per step (lookup_decode_k)
+    temperature: float = 0.0           # its sampling temperature (acceptance cells per temperature)
+    end: int = NO_LIMIT                # the row length at which it ends (prompt + max_tokens): no draft past it
+    memory: Memory | None = None       # the memory it drafts from and stores into (its scope's)
+    prediction: References | None = None   # its own corpus (lookup_decode_prediction)
+
+
+@dataclass
+class Drafts:
+    """One call's drafts: row rows[j] is sent tokens[j, :lengths[j]]."""
+    rows: np.ndarray                   # int64 [r]
+    lengths: np.ndarray                # int64 [r]
+    tokens: np.ndarray                 # int32 [r, k]
 
 
 @dataclass
@@ -121,6 +218,13 @@ class RequestTable:
         self.ids: dict[str, int] = {}
         self.id_of: dict[int, str] = {}
         self.dropped_ids: OrderedDict[str, str | None] = OrderedDict()
+        # The steady state: the rows' ids at the last call by id, and their slots (-1: none); None: unknown.
+        self.row_ids: list | None = None
+        self.row_slots = np.zeros(0, np.int64)
+        self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(6, np.int64))
+        self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
+        self._steady_kernel(np.zeros((1, 1), np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                            np.zeros(4, np.int64))     # compiled (or loaded) now, not inside an engine step
 
     def _room(self, s: int) -> None:
         if s >= len(self.fp):
@@ -225,6 +329,35 @@ class RequestTable:
             self.ids[rid], self.id_of[s] = s, rid
         return claim
 
+    def steady(self, matrix, counts, emitted, ids: list, call: int, *, k: int, max_len: int, check_end: bool):
+        """The step's arrays for a call in the steady state: every row that emitted tokens (ids: the rows' request
+        ids, as vLLM's runner gives them) holds a known request, its slot's text continued by them (or by a few
+        missed steps: not learned), none at max_len. Returns (rows, slots, starts, ends, limits, learn, temps, sums:
+        verified, prefill, continued, most new tokens, near, ended: rows whose last token is EOS or that reached
+        their end, counted if check_end), the rows' slots marked seen at `call`; None: not the steady state (no slot
+        changed)."""
+        n = len(counts)
+        if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
+            self.row_ids = ids[:n]
+            self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
+        if self._steady_out[0].shape[1] < n:
+            self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n),
+                                self._steady_out[3])
+            self._steady_views = {}
+        r = self._steady_kernel(matrix, counts, emitted, np.array([k, max_len, check_end, call], np.int64))
+        if r < 0:
+            return None
+        views = self._steady_views.get(r)
+        if views is None:
+            out, learn, temps, _ = self._steady_out
+            views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r])
+        return (*views, self._steady_out[3].tolist())
+
+    def _steady_kernel(self, matrix, counts, emitted, rules) -> int:
+        out, learn, temps, sums = self._steady_out
+        return _steady(matrix, counts, emitted, self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
+                       (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn, temps, sums)
+
     def _new_slot(self, claim: Claim, j: int, n_tokens: int, prompt: int, call: int, key: str | None) -> int:
         """A fresh slot for row j of the claim; key: the memory key of what its request stored before (None: none)."""
         s = self.pool.add(n_tokens)
@@ -269,6 +402,7 @@ class RequestTable:
     # -- leaving --------------------------------------------------------------------------------------
     def drop(self, s: int) -> None:
         """Free slot s, remembering its length and prompt length (a recomputed request gets them back)."""
+        self.row_ids = None                             # the next call finds its rows' slots by id again
         n, prompt = int(self.pool.length([s])[0]), int(self.prompt_len[s])
         self._unfile(s)
         key = self.keys.pop(s, None)

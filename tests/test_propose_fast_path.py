@@ -1,0 +1,138 @@
+"""The vLLM drafter's steady-state path (`BatchDrafter._steady`: every row the request it held at the last call,
+continued) against its general path: replayed through tests/sim_runner.py, every call's drafts, the counters, the
+step cost's sums, the calibration table and the memory of outputs must be the same with it and without it."""
+
+from dataclasses import asdict, fields
+
+import numpy as np
+import pytest
+
+from lookup_decode.engines.vllm import drafter as lv
+from lookup_decode.engines.vllm.batch_drafter import EngineRequests, RequestInfo
+from lookup_decode.sources.memory import Memory, References
+from tests.sim_runner import SimRequest, SimRunner
+from tests.test_vllm import EOS, _requests
+
+
+def _state(drafter) -> dict:
+    """What a drafter learned and counted (no wall-clock times)."""
+    stats = {f.name: getattr(drafter.stats, f.name) for f in fields(drafter.stats)
+             if f.name not in ("propose_s", "propose_max_s", "first_propose_s", "reliability", "requests")}
+    entries = [] if drafter.memory is None else [
+        {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in asdict(e).items()}
+        for e in drafter.memory.entries()]
+    return {"stats": stats, "calibration": drafter.stats.reliability.table.tolist(), "cost": list(drafter.cost.sums),
+            "requests": {rid: asdict(r) for rid, r in drafter.stats.requests.items()}, "memory": entries}
+
+
+def _run(steady: bool, requests_of, settings, runner_kw, k=8, **drafter_kw):
+    """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path)."""
+    drafter = lv.LookupDrafter.from_settings(settings, k, eos_token_ids=EOS, **drafter_kw)
+    drafter.steady_path = steady
+    taken = [0]
+    general = drafter._steady
+
+    def counted(*a):
+        out = general(*a)
+        taken[0] += out is not None
+        return out
+
+    drafter._steady = counted
+    runner = SimRunner(drafter, k=k, ids=True, step_seconds=lambda n: 0.05 + 0.004 * n, **runner_kw)
+    drafter.clock = runner.clock
+    requests = requests_of()
+    runner.run(requests)
+    return [(r.drafts, r.emitted) for r in requests], _state(drafter), taken[0], runner.proposes
+
+
+def _long(seed: int) -> list[SimRequest]:
+    """Requests whose outputs run up to max_model_len 200 (the engine skips the drafter near it)."""
+    rng = np.random.default_rng(seed)
+    return [SimRequest(rng.integers(3, 12, size=n).astype(np.int32), np.tile(np.arange(3, 9), 40)[:m].astype(np.int32))
+            for n, m in [(40, 150), (30, 100), (60, 150), (20, 80), (50, 120), (25, 140)]]
+
+
+SCENARIOS = {
+    # rows that move, go unscheduled, join two a step and prefill in chunks; the memory of outputs on
+    "moving": (lambda: _requests(seed=3, n=24, chunk=32), lv.Settings(),
+               dict(max_num_reqs=8, seed=3, p_unscheduled=0.05, p_swap=0.3, arrivals_per_step=2)),
+    # preemptions (missed steps: slots continued without learning) and the whole-batch skip near max_model_len
+    "preempted": (lambda: _requests(seed=5, n=12), lv.Settings(idle_steps=6),
+                  dict(max_num_reqs=4, seed=5, p_preempt=0.05, preempt_steps=10, max_model_len=220)),
+    # the whole-batch skip near max_model_len: rows continued by missed steps, not learned from
+    "skipped": (lambda: _long(13), lv.Settings(idle_steps=4), dict(max_num_reqs=4, max_model_len=200, seed=3)),
+    # one request at a time, as the batch-1 study
+    "alone": (lambda: _requests(seed=7, n=6), lv.Settings(), dict(max_num_reqs=4, seed=7)),
+    # not adaptive, no memory
+    "plain": (lambda: _requests(seed=8, n=16), lv.Settings(adaptive=False, memory=False),
+              dict(max_num_reqs=8, seed=8, arrivals_per_step=4)),
+    # sampled requests (temperature 1: cells of their own)
+    "sampled": (lambda: _requests(seed=9, n=12), lv.Settings(), dict(max_num_reqs=4, seed=9, p_off=0.3, vocab=12)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_steady_path_gives_the_general_paths_drafts(name):
+    requests_of, settings, runner_kw = SCENARIOS[name]
+    drafts, state, taken, calls = _run(True, requests_of, settings, runner_kw)
+    drafts_general, state_general, taken_general, _ = _run(False, requests_of, settings, runner_kw)
+    assert taken_general == 0 and taken > calls // 4           # guard: the steady path served many calls
+    assert sum(len(d) for ds, _ in drafts for d in ds) > 100 and state["stats"]["accepted"] > 50   # and drafted
+    assert drafts == drafts_general
+    assert state == state_general
+
+
+def _with_own_corpora():
+    """Requests with their own draft lengths, memory scopes and predictions (rows reading corpora of their own)."""
+    requests = _requests(seed=11, n=16, copy=False)
+    for j, r in enumerate(requests):
+        r.extra_args = [None, {"lookup_decode_k": 3}, {"lookup_decode_scope": f"t{j % 3}"},
+                        {"lookup_decode_prediction": r.truth.tolist()}][j % 4]
+    return requests
+
+
+def _references() -> References:
+    refs = References()
+    refs.register("doc", tokens=np.random.default_rng(12).integers(3, 12, size=400))
+    return refs
+
+
+def test_steady_path_with_per_request_settings_and_references():
+    runner_kw = dict(max_num_reqs=6, seed=11, arrivals_per_step=2)
+    drafts, state, taken, calls = _run(True, _with_own_corpora, lv.Settings(), runner_kw, references=_references())
+    drafts_general, state_general, _, _ = _run(False, _with_own_corpora, lv.Settings(), runner_kw,
+                                               references=_references())
+    assert taken > calls // 2 and state["stats"]["accepted"] > 50
+    assert drafts == drafts_general
+    assert state == state_general
+
+
+def test_a_request_let_go_outside_the_batch_and_a_missed_step():
+    """A request the engine lets go while it is out of the batch (preempted, then aborted) changes no row: the
+    steady path must retire it at that very call too (its output enters the memory before the others draft). A
+    step the drafter missed (the whole-batch skip) leaves the rows where they were: the steady path continues them
+    without learning, as the general path does."""
+    rng = np.random.default_rng(0)
+    a = np.concatenate([rng.integers(3, 12, size=30), np.tile(np.arange(3, 9), 20)]).astype(np.int32)
+    b = np.concatenate([rng.integers(3, 12, size=30), np.tile(np.arange(3, 9), 20)]).astype(np.int32)
+    info = lambda rid: RequestInfo(prompt_len=30, max_tokens=1000)        # noqa: E731
+    lengths = [n for n in range(31, 90) if n not in (40, 41, 70)]         # calls missed at 40, 41 and 70
+    log = {}
+    for steady in (True, False):
+        drafter = lv.LookupDrafter.from_settings(lv.Settings(adaptive=False), 4, eos_token_ids=EOS,
+                                                 memory=Memory(10**6))
+        drafter.steady_path = steady
+        out = log[steady] = []
+        for n in lengths:
+            both = n < 50                                   # b leaves the batch at 50, is let go at 60
+            ids = ["a", "b"] if both else ["a"]
+            matrix = np.stack([a, b]) if both else a[None]
+            held = {"a", "b"} if n < 60 else {"a"}
+            got = drafter.draft(np.ascontiguousarray(matrix), np.full(len(ids), n, np.int64),
+                                np.ones(len(ids), np.int64), EngineRequests(ids, held, info))
+            s = drafter.stats
+            out.append((got.rows.tolist(), got.lengths.tolist(), got.tokens[:, :4].tolist(), s.retired, s.continued,
+                        s.accepted, drafter.live_requests, len(drafter.memory), s.reliability.table.tolist()))
+        assert drafter.stats.retired == 1 and out[lengths.index(60)][3] == 1   # retired at the call where it went
+        assert drafter.stats.continued == 3 and drafter.stats.accepted > 50
+    assert log[True] == log[False]
