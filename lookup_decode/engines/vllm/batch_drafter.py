@@ -143,20 +143,14 @@ class BatchDrafter:
             claim = table.claim(matrix, rows, r_counts, r_emitted, self._call, self._admit)
         else:
             claim = self._claim_ids(engine, rows, r_counts, r_emitted)
-        if self._last is not None and claim.continued == 0 and len(rows):
-            # A step right after the previous call: its time is that step's cost. It verified each row's token and
-            # the draft it was sent, beside the prompt chunks of rows still prefilling (no token yet) and of rows
-            # whose prefill ended in it (fresh slots).
+        if claim.continued == 0 and len(rows):
+            # It verified each row's token and the draft it was sent, beside the prompt chunks of rows still
+            # prefilling (no token yet) and of rows whose prefill ended in it (fresh slots).
             verified = len(rows) + int(table.sent[claim.slots[claim.slots >= 0]].sum())
-            prefill = int(counts[emitted == 0].sum()) + int((r_counts[claim.starts == 0] - 1).sum())
-            if self.budget is not None:             # chunked: a step's chunks fill at most the budget
-                prefill = max(0, min(prefill, int(self.budget) - verified))
-            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > len(rows))
+            self._observe(verified, int(counts[emitted == 0].sum()) + int((r_counts[claim.starts == 0] - 1).sum()),
+                          len(rows), now)
         placed = self._within_bound(claim, r_counts)
-        # Requests the engine no longer holds have finished (none has while every known one has a row here).
-        if engine is not None and len(table.id_of) > len(rows):
-            for s in [s for s, rid in table.id_of.items() if rid not in engine.held]:
-                self._drop(s, "retired")
+        self._retire_gone(engine, len(rows))
         rows, slots, ends = rows[placed], claim.slots[placed], r_counts[placed]
         if self.memory is not None:
             self._store_finished(matrix, rows, slots, ends, absent=engine is None)
@@ -189,13 +183,9 @@ class BatchDrafter:
         room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
         if 4 * (self.pool.bytes + r * room) > self.settings.max_index_bytes:
             return None                             # (the general path marks the same slots seen)
-        if self._last is not None and continued == 0:     # as in _draft
-            if self.budget is not None:
-                prefill = max(0, min(prefill, int(self.budget) - verified))
-            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > r)
-        if len(table.id_of) > r:                    # as in _draft
-            for s in [s for s, rid in table.id_of.items() if rid not in engine.held]:
-                self._drop(s, "retired")
+        if continued == 0:
+            self._observe(verified, prefill, r, now)
+        self._retire_gone(engine, r)
         if ended:
             self._store_finished(matrix, rows, slots, ends, absent=False)
         corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
@@ -203,6 +193,19 @@ class BatchDrafter:
         self.stats.continued += continued
         self.stats.extended += r - continued
         return self._sent(step, rows, slots, now, engine)
+
+    def _observe(self, verified: int, prefill: int, rows: int, now: float) -> None:
+        """The step since the last call, none of whose rows missed steps: its time is its cost (`StepCost`)."""
+        if self._last is not None:
+            if self.budget is not None:             # chunked: a step's chunks fill at most the budget
+                prefill = max(0, min(prefill, int(self.budget) - verified))
+            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > rows)
+
+    def _retire_gone(self, engine: EngineRequests | None, rows: int) -> None:
+        """Requests the engine no longer holds have finished (none has while every known one has one of the rows)."""
+        if engine is not None and len(self.requests.id_of) > rows:
+            for s in [s for s, rid in self.requests.id_of.items() if rid not in engine.held]:
+                self._drop(s, "retired")
 
     def _shared_corpora(self, r: int) -> tuple[list, np.ndarray | None]:
         """`_corpora_of` r rows that read only the shared corpora (None for the roles where they are the pool's
@@ -328,10 +331,7 @@ class BatchDrafter:
 
     def _prediction(self, request_id: str, prediction) -> References | None:
         """The request's prediction as a corpus of its own (None, logged, if it cannot be read)."""
-        try:
-            if isinstance(prediction, str) and self.tokenizer is None:
-                raise ValueError("a text needs the engine's tokenizer, which this drafter does not have (send "
-                                 "token ids)")
+        try:                                        # (a text without the engine's tokenizer: a ValueError)
             return prediction_of(prediction, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         except (ValueError, TypeError, OSError) as e:
             self.stats.ignored += 1
@@ -419,23 +419,13 @@ class BatchDrafter:
         or that reached their request's end (their text is the row), and (absent: rows followed by content, where
         a finished request and one away from the batch look alike) known requests absent from this call. Then,
         if no request seen is left unstored, the keeper writes memory_save at once."""
-        table = self.requests
-        ended = counts >= table.end[slots]
-        last = matrix[rows, counts - 1]
-        for e in self.eos:
-            ended |= last == e
-        if ended.any():
-            for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
-                self._store(s, matrix[row, :n])
-        if absent:
-            live = np.fromiter(table.live, np.int64, count=len(table.live))
-            gone = live[table.last_seen[live] < self._call]
-            for s in gone[self.pool.length(gone) > table.stored[gone]].tolist():
-                self._store_slot(s)
-        if self.keeper.unsaved and (ended.all() or not len(rows)):
-            live = np.fromiter(table.live, np.int64, count=len(table.live))
-            if not (self.pool.length(live) > table.stored[live]).any():
-                self.keeper.write_soon()
+        ended = self.requests.ended(matrix, rows, slots, counts)
+        for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
+            self._store(s, matrix[row, :n])
+        for s in self.requests.unstored(self._call).tolist() if absent else ():
+            self._store_slot(s)
+        if self.keeper.unsaved and (ended.all() or not len(rows)) and not len(self.requests.unstored()):
+            self.keeper.write_soon()
 
     def _store_slot(self, s: int) -> None:
         if self._roles(s)[0] is not None and int(self.pool.length([s])[0]) > self.requests.stored[s]:

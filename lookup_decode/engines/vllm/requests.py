@@ -419,6 +419,22 @@ class RequestTable:
         self.live.discard(s)
         self.pool.remove(s)
 
+    def ended(self, matrix, rows, slots, counts) -> np.ndarray:
+        """bool [r]: the rows whose request finished (their last token is EOS, or they reached the request's end)."""
+        ended = counts >= self.end[slots]
+        last = matrix[rows, counts - 1]
+        for e in self.eos.tolist():
+            ended |= last == e
+        return ended
+
+    def unstored(self, seen_before: int | None = None) -> np.ndarray:
+        """Live slots whose text grew past what was stored of it (seen_before: only those last seen before that
+        call)."""
+        live = np.fromiter(self.live, np.int64, count=len(self.live))
+        if seen_before is not None:
+            live = live[self.last_seen[live] < seen_before]
+        return live[self.pool.length(live) > self.stored[live]]
+
     def idle(self, before: int) -> list[int]:
         """Live slots last seen at a call <= `before`, least recently seen first."""
         live = np.fromiter(self.live, np.int64, count=len(self.live))
