@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lookup_decode.cli import check_at_least
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
@@ -122,12 +123,7 @@ def run(args) -> int:
     from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
     from lookup_decode.engines.replay import SEARCH_K, search_settings
 
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"{PROG}: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit(f"{PROG}: --threads must be >= 1, got {args.threads}")
-    if args.repeats < 1:
-        raise SystemExit(f"{PROG}: --repeats must be >= 1, got {args.repeats}")
+    check_at_least(PROG, args, max_new_tokens=1, threads=1, repeats=1)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"{PROG}: --device {args.device} but CUDA is not available")
     requests = read_requests(args.prompts)

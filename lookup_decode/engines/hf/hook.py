@@ -38,7 +38,6 @@ from lookup_decode.engines.hf.stopping import first_stops
 from lookup_decode.sources.memory import prediction_of
 from lookup_decode.sources.proposer import PREDICTION, check_sources, with_sources
 
-_OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
 # The output's cache field: `cache` in transformers 5.x, `past_key_values` in 4.56-4.57.
 _CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
@@ -331,15 +330,17 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     expected to repeat, as OpenAI's Predicted Outputs: token ids, or a text with tokenizer=...; a batch takes one
     per row, or None, in a list): drafted from by this call alone.
     """
-    given = {n: v for n, v in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if v is not None}
-    options = LookupConfig(**given)
-    if generation_config is None:  # called directly, not by model.generate
-        if input_ids is None:
-            raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
-        if not hasattr(model, "generate"):
-            raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
-        hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer,
-                               memory=memory, references=references, prediction=prediction, tokenizer=tokenizer)
+    given = {n: v for n, v in zip(("k", "min_match", "max_match", "adaptive"), (k, min_match, max_match, adaptive))
+             if v is not None}
+    direct = generation_config is None  # called directly, not by model.generate
+    if direct and input_ids is None:
+        raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
+    if direct and not hasattr(model, "generate"):
+        raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
+    hook = lookup_decoding(LookupConfig(**given), stats=stats, proposer=proposer, generator=generator, memory=memory,
+                           references=references, prediction=prediction, tokenizer=tokenizer,
+                           streamer=streamer if direct else None)
+    if direct:
         stop_strings = model_kwargs.pop("stop_strings", None)
         if stop_strings is not None:
             # transformers (5.x) drops `tokenizer` for a callable custom_generate and then refuses
@@ -353,7 +354,5 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
                               custom_generate=hook, **model_kwargs)
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
-    call = _Call(options, stats, proposer, generator, tuple(check_sources(memory, references)),
-                 prediction=prediction, tokenizer=tokenizer)
-    return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call,
-                          model_kwargs, inputs_tensor=inputs_tensor)
+    return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
+                inputs_tensor=inputs_tensor, **model_kwargs)
