@@ -177,7 +177,7 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
     import torch
     import transformers
 
-    from lookup_decode.engines.hf.models import bf16_native
+    from lookup_decode.engines.hf.models import bf16_native, default_gguf
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "numba": numba.__version__, "numpy": np.__version__, "lookup_decode": lookup_decode.__version__,
            "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": _cpu_count(),
@@ -185,12 +185,9 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
            "bf16_native": bf16_native(device), "command": command_line()}
     if model is not None:
-        if model_path is None:
-            from lookup_decode.engines.hf.models import default_gguf
-            model_path = default_gguf().name
-        env["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
-        env["model"] = str(model_path)
-        env["model_class"] = type(model).__name__
+        env.update(dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+                   model=str(model_path if model_path is not None else default_gguf().name),
+                   model_class=type(model).__name__)
     return env
 
 

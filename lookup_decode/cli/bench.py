@@ -46,13 +46,6 @@ def _fail(where: str, what: str):
     raise SystemExit(f"{PROG}: {where}: {what}")
 
 
-def _messages_from(row, where: str) -> list[dict]:
-    try:
-        return messages_of(row)
-    except RecordError as e:
-        _fail(where, str(e))
-
-
 def read_requests(path: str | Path) -> list[BenchRequest]:
     """Requests from a JSONL or Parquet file of records (`engines.batch.records`: one {"messages": [...]} or
     {"prompt": "..."} each) or from a folder of .txt files (each one user message).
@@ -79,10 +72,12 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
         return out
     out = []
     for lineno, row in read_rows(path):
-        where = f"{path}:{lineno}"
-        if isinstance(row, RecordError):
-            _fail(where, str(row))
-        out.append(BenchRequest(f"{path.name}:{lineno}", _messages_from(row, where)))
+        try:
+            if isinstance(row, RecordError):        # a line that is not JSON
+                raise row
+            out.append(BenchRequest(f"{path.name}:{lineno}", messages_of(row)))
+        except RecordError as e:
+            _fail(f"{path}:{lineno}", str(e))
     if not out:
         _fail(str(path), "empty file: no requests")
     return out

@@ -142,9 +142,7 @@ class DecodeStats:
         self.draft_lengths.extend(drafted)
         self.accepted_lengths.extend(accepted)
         self._bound()
-        longest = max(drafted, default=0)
-        if longest > len(self.accepted_at):
-            self.accepted_at.extend([0] * (longest - len(self.accepted_at)))
+        self.accepted_at.extend([0] * (max(drafted, default=0) - len(self.accepted_at)))   # none when long enough
         for a in accepted:
             for i in range(a):
                 self.accepted_at[i] += 1

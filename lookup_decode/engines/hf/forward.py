@@ -52,8 +52,7 @@ class _Model:
         self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.processors, self.do_sample, self.generator, self.rules = (Processors(logits_processor), do_sample,
                                                                        generator, rules)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.vocab = int(head.weight.shape[0]) if head is not None else getattr(model.config, "vocab_size", None)
+        self.vocab = vocab_size(model)
 
     def logits(self, n_logits: int, **inputs) -> torch.Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True, **inputs}
@@ -72,6 +71,12 @@ class _Model:
 
     def keep_rows(self, keep: list[int]) -> None:
         pass
+
+
+def vocab_size(model) -> int | None:
+    """Rows of the model's output embedding (its config's vocab_size when it has none): ids a draft may hold."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(head.weight.shape[0]) if head is not None else getattr(model.config, "vocab_size", None)
 
 
 def widest_forward(model, rows) -> int:
@@ -277,9 +282,7 @@ def batch_memory_bytes(model, batch: int, max_length: int, k: int, hole_share: f
     columns = int((max_length + k + 1) * (1 + hole_share)) + min_holes
     need = batch * columns * layers * 2 * kv_heads * head_dim * dtype_bytes
     if logits:
-        head = model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else getattr(cfg, "vocab_size", 0)
-        need += batch * (k + 1) * int(vocab) * 4
+        need += batch * (k + 1) * int(vocab_size(model) or 0) * 4
     return need
 
 

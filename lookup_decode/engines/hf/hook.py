@@ -33,7 +33,7 @@ from lookup_decode.core.verify import Rules
 from lookup_decode.engines.hf import encdec
 from lookup_decode.engines.hf.cache import check_batchable, check_croppable, crop, new_cache
 from lookup_decode.engines.hf.draft_model import DraftModelProposer
-from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, check_batch_memory
+from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, check_batch_memory, vocab_size
 from lookup_decode.engines.hf.stopping import first_stops
 from lookup_decode.sources.memory import prediction_of
 from lookup_decode.sources.proposer import PREDICTION, check_sources, with_sources
@@ -68,7 +68,7 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
     if not getattr(model.config, "is_encoder_decoder", False):  # else the mask is the encoder input's
         _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}): min {low}, max {high}")
@@ -92,9 +92,8 @@ def _check_attention_mask(mask, input_ids) -> None:
 
 
 def _is_batched(model, input_ids, model_kwargs) -> bool:
-    if getattr(model.config, "is_encoder_decoder", False):   # attention_mask belongs to the encoder input
-        return input_ids.shape[0] > 1
-    mask = model_kwargs.get("attention_mask")
+    # An encoder-decoder's attention_mask belongs to its encoder input.
+    mask = None if encdec.is_encoder_decoder(model) else model_kwargs.get("attention_mask")
     return input_ids.shape[0] > 1 or (mask is not None and not bool((mask == 1).all()))
 
 
@@ -113,11 +112,6 @@ def _check_streamer(streamer, input_ids) -> None:
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streamers take one sequence; got a batch of {input_ids.shape[0]} rows "
                          "(stream one request at a time)")
-
-
-def _vocab_size(model) -> int:
-    head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
 @dataclass
@@ -158,7 +152,7 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     drafters = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
                 for _ in range(rows)]
     # Session memory / reference documents (memory.py, sources.py), and each row's own prediction.
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     sources = [call.sources + (((PREDICTION, p),) if p is not None else ())
                for p in _predictions(call.prediction, rows, call.tokenizer, vocab)]
     return [with_sources(d, s, vocab, min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
