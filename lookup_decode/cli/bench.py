@@ -159,8 +159,7 @@ def run(args) -> int:
     best = ranking[0]
     default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == DEFAULT_KEY)
     result = {"requests": len(requests), "environment": environment(model, args.device, args.threads, args.model),
-              "max_new_tokens": args.max_new_tokens,
-              "default": {"setting": default.lookup, **summary},
+              "max_new_tokens": args.max_new_tokens, "default": {"setting": default.lookup, **summary},
               "forward_cost": {"sizes": sizes, "seconds": seconds}, "search": ranking[:8],
               "recommended": {"k": best["k"], "min_match": best["min_match"], "adaptive": best["adaptive"]}}
     is_default = (best["k"], best["min_match"], best["adaptive"]) == DEFAULT_KEY

@@ -250,9 +250,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     rows = Rows.start(input_ids, generation_config.max_length, do_sample=do_sample, generator=call.generator)
     try:
         sequences = decode(rows, forward, drafters, _policy(call.options.k, generation_config, model),
-                           stops=_stops(stopping_criteria),
-                           stats=call.stats, streamer=streamer, record=record, adaptive=call.options.adaptive,
-                           costs=call.costs)
+                           stops=_stops(stopping_criteria), stats=call.stats, streamer=streamer, record=record,
+                           adaptive=call.options.adaptive, costs=call.costs)
     finally:  # on every way out (an error, Ctrl-C): a TextIteratorStreamer's reader would otherwise wait forever
         if streamer is not None:
             streamer.end()
@@ -264,11 +263,9 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if int(cache.get_seq_length()) > crop_to:
         crop(cache, int(cache.get_seq_length()) - crop_to)
     output_class = GenerateEncoderDecoderOutput if source is not None else GenerateDecoderOnlyOutput
-    return output_class(
-        sequences=sequences,
-        scores=tuple(record.scores) if generation_config.output_scores else None,
-        logits=tuple(record.logits) if generation_config.output_logits else None,
-        **{_CACHE_FIELD: cache})
+    return output_class(sequences=sequences, scores=tuple(record.scores) if generation_config.output_scores else None,
+                        logits=tuple(record.logits) if generation_config.output_logits else None,
+                        **{_CACHE_FIELD: cache})
 
 
 def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,

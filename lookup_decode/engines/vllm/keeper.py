@@ -165,8 +165,7 @@ class Keeper:
         if self.memory is None:
             return 0
         paths = [p for p in memory_files(self.settings.memory) if os.path.isfile(p)]
-        return self.memory.merge(load_memory(paths, max_tokens=self.settings.memory_tokens,
-                                             vocab_size=self.vocab_size))
+        return self.memory.merge(load_memory(paths, max_tokens=self.settings.memory_tokens, vocab_size=self.vocab_size))
 
 
 def _loop(ref) -> None:
