@@ -130,7 +130,6 @@ def run(args) -> int:
         raise SystemExit(f"{PROG}: {e}")
     prompts = prompt_ids(tokenizer, requests, args.device)
     ids = [r.id for r in requests]
-    eos = eos_ids(model.generation_config)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
 
     default = Variant("lookup_decode", lookup={"k": DEFAULT.k, "min_match": DEFAULT.min_match, "adaptive": True})
@@ -154,8 +153,8 @@ def run(args) -> int:
     median_prompt = sorted(prompts, key=lambda p: p.shape[1])[len(prompts) // 2]
     seconds = measure_forward_cost(model, median_prompt, sizes)
     cost = CostCurve(sizes, seconds, max(SEARCH_K) + 1)
-    prompt_lists = [p[0].tolist() for p in prompts]
-    ranking = search_settings(prompt_lists, [m["plain"].tokens for m in measured], cost, eos)
+    ranking = search_settings([p[0].tolist() for p in prompts], [m["plain"].tokens for m in measured], cost,
+                              eos_ids(model.generation_config))
     best = ranking[0]
     default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == DEFAULT_KEY)
     result = {"requests": len(requests), "environment": environment(model, args.device, args.threads, args.model),
