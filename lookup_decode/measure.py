@@ -101,12 +101,8 @@ def interleaved_order(variants: list[str], repeats: int, offset: int = 0) -> lis
 
     Example: interleaved_order(["a", "b", "c"], 2) -> [(0, a), (0, b), (0, c), (1, b), (1, c), (1, a)]
     """
-    n = len(variants)
-    order = []
-    for r in range(repeats):
-        shift = (r + offset) % n if n else 0
-        order.extend((r, v) for v in variants[shift:] + variants[:shift])
-    return order
+    shifts = [(r + offset) % max(len(variants), 1) for r in range(repeats)]
+    return [(r, v) for r, shift in enumerate(shifts) for v in variants[shift:] + variants[:shift]]
 
 
 # ---------------------------------------------------------------------------------------- metrics
