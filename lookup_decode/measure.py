@@ -188,12 +188,10 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
 
 
 def _cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown"
 
 

@@ -19,6 +19,7 @@ compiled forwards), `learns_cost` that its time is a real forward's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -310,13 +311,10 @@ def _free_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(reusable, 0)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
