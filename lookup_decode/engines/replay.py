@@ -48,10 +48,10 @@ class RecordedForward:
                 for truth, draft in zip(truths, drafts)]
 
     def rollback(self, kept) -> None:
-        pass
+        """No cache: nothing to roll back."""
 
     def keep_rows(self, keep) -> None:
-        pass
+        """No batch to shrink: rows.active alone says which rows go on."""
 
     def calibrate(self, rows, costs, k: int):
         return None

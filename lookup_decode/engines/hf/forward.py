@@ -71,7 +71,7 @@ class _Model:
         return Verified(emitted, scores, logits)
 
     def keep_rows(self, keep: list[int]) -> None:
-        pass
+        """One sequence: nothing to drop (BatchForward overrides it)."""
 
 
 def vocab_size(model) -> int | None:

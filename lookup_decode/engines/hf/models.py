@@ -38,7 +38,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 
 class ModelNotFoundError(FileNotFoundError):
-    pass
+    """No model at the path given, or the default / code model is not installed or could not be assembled."""
 
 
 def default_gguf() -> Path:
