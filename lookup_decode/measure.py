@@ -65,9 +65,8 @@ def timed_generate(model, input_ids, lookup: dict | None = None, **generate_kwar
 
     lookup: None for plain generate, else lookup_decode options (a DecodeStats is filled and returned).
     """
-    stats = None
+    stats = DecodeStats() if lookup is not None else None
     if lookup is not None:
-        stats = DecodeStats()
         generate_kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **lookup)
     sync(input_ids.device)
     start = time.perf_counter()
