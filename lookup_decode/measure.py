@@ -65,9 +65,8 @@ def timed_generate(model, input_ids, lookup: dict | None = None, **generate_kwar
 
     lookup: None for plain generate, else lookup_decode options (a DecodeStats is filled and returned).
     """
-    stats = None
+    stats = DecodeStats() if lookup is not None else None
     if lookup is not None:
-        stats = DecodeStats()
         generate_kwargs.update(custom_generate=lookup_decode.generate, stats=stats, **lookup)
     sync(input_ids.device)
     start = time.perf_counter()
@@ -101,12 +100,8 @@ def interleaved_order(variants: list[str], repeats: int, offset: int = 0) -> lis
 
     Example: interleaved_order(["a", "b", "c"], 2) -> [(0, a), (0, b), (0, c), (1, b), (1, c), (1, a)]
     """
-    n = len(variants)
-    order = []
-    for r in range(repeats):
-        shift = (r + offset) % n if n else 0
-        order.extend((r, v) for v in variants[shift:] + variants[:shift])
-    return order
+    shifts = [(r + offset) % max(len(variants), 1) for r in range(repeats)]
+    return [(r, v) for r, shift in enumerate(shifts) for v in variants[shift:] + variants[:shift]]
 
 
 # ---------------------------------------------------------------------------------------- metrics
@@ -177,7 +172,7 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
     import torch
     import transformers
 
-    from lookup_decode.engines.hf.models import bf16_native
+    from lookup_decode.engines.hf.models import bf16_native, default_gguf
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "numba": numba.__version__, "numpy": np.__version__, "lookup_decode": lookup_decode.__version__,
            "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": _cpu_count(),
@@ -185,22 +180,17 @@ def environment(model=None, device: str = "cpu", threads: int | None = None, mod
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
            "bf16_native": bf16_native(device), "command": command_line()}
     if model is not None:
-        if model_path is None:
-            from lookup_decode.engines.hf.models import default_gguf
-            model_path = default_gguf().name
-        env["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
-        env["model"] = str(model_path)
-        env["model_class"] = type(model).__name__
+        env.update(dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+                   model=str(model_path if model_path is not None else default_gguf().name),
+                   model_class=type(model).__name__)
     return env
 
 
 def _cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or "unknown"
 
 

@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from lookup_decode.cli import check_at_least
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
@@ -43,13 +44,6 @@ class BenchRequest:
 
 def _fail(where: str, what: str):
     raise SystemExit(f"{PROG}: {where}: {what}")
-
-
-def _messages_from(row, where: str) -> list[dict]:
-    try:
-        return messages_of(row)
-    except RecordError as e:
-        _fail(where, str(e))
 
 
 def read_requests(path: str | Path) -> list[BenchRequest]:
@@ -78,10 +72,12 @@ def read_requests(path: str | Path) -> list[BenchRequest]:
         return out
     out = []
     for lineno, row in read_rows(path):
-        where = f"{path}:{lineno}"
-        if isinstance(row, RecordError):
-            _fail(where, str(row))
-        out.append(BenchRequest(f"{path.name}:{lineno}", _messages_from(row, where)))
+        try:
+            if isinstance(row, RecordError):        # a line that is not JSON
+                raise row
+            out.append(BenchRequest(f"{path.name}:{lineno}", messages_of(row)))
+        except RecordError as e:
+            _fail(f"{path}:{lineno}", str(e))
     if not out:
         _fail(str(path), "empty file: no requests")
     return out
@@ -122,12 +118,7 @@ def run(args) -> int:
     from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
     from lookup_decode.engines.replay import SEARCH_K, search_settings
 
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"{PROG}: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit(f"{PROG}: --threads must be >= 1, got {args.threads}")
-    if args.repeats < 1:
-        raise SystemExit(f"{PROG}: --repeats must be >= 1, got {args.repeats}")
+    check_at_least(PROG, args, max_new_tokens=1, threads=1, repeats=1)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"{PROG}: --device {args.device} but CUDA is not available")
     requests = read_requests(args.prompts)
@@ -139,7 +130,6 @@ def run(args) -> int:
         raise SystemExit(f"{PROG}: {e}")
     prompts = prompt_ids(tokenizer, requests, args.device)
     ids = [r.id for r in requests]
-    eos = eos_ids(model.generation_config)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
 
     default = Variant("lookup_decode", lookup={"k": DEFAULT.k, "min_match": DEFAULT.min_match, "adaptive": True})
@@ -163,13 +153,12 @@ def run(args) -> int:
     median_prompt = sorted(prompts, key=lambda p: p.shape[1])[len(prompts) // 2]
     seconds = measure_forward_cost(model, median_prompt, sizes)
     cost = CostCurve(sizes, seconds, max(SEARCH_K) + 1)
-    prompt_lists = [p[0].tolist() for p in prompts]
-    ranking = search_settings(prompt_lists, [m["plain"].tokens for m in measured], cost, eos)
+    ranking = search_settings([p[0].tolist() for p in prompts], [m["plain"].tokens for m in measured], cost,
+                              eos_ids(model.generation_config))
     best = ranking[0]
     default_row = next(r for r in ranking if (r["k"], r["min_match"], r["adaptive"]) == DEFAULT_KEY)
     result = {"requests": len(requests), "environment": environment(model, args.device, args.threads, args.model),
-              "max_new_tokens": args.max_new_tokens,
-              "default": {"setting": default.lookup, **summary},
+              "max_new_tokens": args.max_new_tokens, "default": {"setting": default.lookup, **summary},
               "forward_cost": {"sizes": sizes, "seconds": seconds}, "search": ranking[:8],
               "recommended": {"k": best["k"], "min_match": best["min_match"], "adaptive": best["adaptive"]}}
     is_default = (best["k"], best["min_match"], best["adaptive"]) == DEFAULT_KEY

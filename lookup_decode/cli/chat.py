@@ -75,11 +75,8 @@ def cmd_chat(args) -> int:
                 return
             yield line
 
-    def streamer():
-        return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-
     run_chat(model, tokenizer, lines(), memory, path, max_new_tokens=args.max_new_tokens, system=args.system,
-             streamer_factory=streamer, k=args.k)
+             streamer_factory=lambda: TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), k=args.k)
     return 0
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from lookup_decode.cli import check_at_least
 from lookup_decode.core.config import LookupConfig
 
 DEFAULTS = LookupConfig()      # every command's lookup options default to the library's
@@ -170,14 +171,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args) -> int:
     from lookup_decode.engines.batch.job import Job, run
-    _validate(args)
-    for name in ("batch_size", "actors", "tensor_parallel_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"lookup-decode: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.gpus_per_actor is not None and not args.gpus_per_actor >= 0:
-        raise SystemExit(f"lookup-decode: --gpus-per-actor must be >= 0, got {args.gpus_per_actor}")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise SystemExit(f"lookup-decode: --max-model-len must be >= 2, got {args.max_model_len}")
+    check_at_least("lookup-decode", args, max_new_tokens=1, threads=1, batch_size=1, actors=1, tensor_parallel_size=1,
+                   gpus_per_actor=0, max_model_len=2)
     if args.engine != "vllm":
         given = [name for name, default in VLLM_ONLY.items() if getattr(args, name) != default]
         if given:
@@ -193,16 +188,10 @@ def cmd_run(args) -> int:
               max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype,
               tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager or None,
               gpus_per_actor=args.gpus_per_actor)
-    if job.engine == "vllm":
-        from lookup_decode.engines.batch.vllm import check_job
-        try:
-            check_job(job)
-        except (ValueError, RuntimeError) as e:
-            raise SystemExit(f"lookup-decode: {e}")
-    try:
+    try:            # run() checks a vLLM job (`batch.vllm.check_job`) before it reads or runs anything
         summary = run(job, args.input, args.output, use_ray=args.ray or args.ray_address is not None,
                       ray_address=args.ray_address, actors=args.actors, progress=not args.no_progress)
-    except (FileNotFoundError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise SystemExit(f"lookup-decode: {e}")
     print(f"--- {summary.line()}", file=sys.stderr)
     return 0
@@ -240,13 +229,6 @@ def _read_prompt(args) -> str:
     return text.rstrip()  # a file's final newline is not part of the request
 
 
-def _validate(args) -> None:
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"lookup-decode: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise SystemExit(f"lookup-decode: --threads must be >= 1, got {args.threads}")
-
-
 def load(args):
     from lookup_decode.engines.hf.models import load_quietly
     return load_quietly(args.model, args.threads, args.dtype)
@@ -259,7 +241,7 @@ def cmd_generate(args, loaded=None) -> int:
     import lookup_decode
     from lookup_decode.engines.hf.models import chat_ids
 
-    _validate(args)
+    check_at_least("lookup-decode", args, max_new_tokens=1, threads=1)
     prompt = _read_prompt(args)
     prediction = _read_text(args.prediction_file, "--prediction-file") if args.prediction_file else None
     config = lookup_config(args)

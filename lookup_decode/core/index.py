@@ -122,12 +122,9 @@ class SuffixIndex:
             raise ValueError(f"resync_window must be >= 0, got {resync_window}")
         self.resync_window = int(resync_window)
         self.eos = as_token_array(list(eos_token_ids), "eos_token_ids")
-        self._alloc(1024)
-        self.extend(tokens)
-
-    def _alloc(self, cap_tokens: int) -> None:
         meta = np.zeros(K.META_SIZE, np.int64)
-        self._set(cap_tokens, new_automaton(cap_tokens, meta), meta)
+        self._set(1024, new_automaton(1024, meta), meta)
+        self.extend(tokens)
 
     def _set(self, cap_tokens: int, bufs: tuple, meta: np.ndarray) -> None:
         self._cap, self._buf, self._meta = cap_tokens, bufs, meta
@@ -141,13 +138,6 @@ class SuffixIndex:
         building one: what a server bounding many indexes reserves before it indexes a request."""
         return int(room_bytes(room_for(1024, n_tokens)))
 
-    def _grow(self, need_tokens: int) -> None:
-        """Double the buffers until `need_tokens` fit; amortized O(1) per token.
-
-        Exception safe: the new buffers are allocated, filled and rehashed aside and swapped in only
-        when complete, so a MemoryError (or Ctrl-C) half way leaves the index as it was."""
-        self._set(*grown(self._buf, self._meta, self._cap, need_tokens), self._meta)
-
     def extend(self, tokens) -> None:
         """Append token ids (int [m]; list, numpy or torch) to the indexed text."""
         new = as_token_array(tokens)
@@ -157,7 +147,10 @@ class SuffixIndex:
             raise ValueError(f"a SuffixIndex holds at most {MAX_TOKENS} tokens (int32 positions); it has "
                              f"{len(self)} and {new.size} more were given")
         if len(self) + new.size > self._cap:
-            self._grow(len(self) + new.size)
+            # Doubled until they fit (amortized O(1) per token). Exception safe: the new buffers are allocated,
+            # filled and rehashed aside and swapped in only when complete, so a MemoryError (or Ctrl-C) half way
+            # leaves the index as it was.
+            self._set(*grown(self._buf, self._meta, self._cap, len(self) + new.size), self._meta)
         K.extend(self._toks, self._slen, self._slink, self._sfirst, self._shead, self._etok, self._eto,
                  self._enext, self._hkey, self._hval, self._meta, new, self.resync_window)
 

@@ -11,6 +11,7 @@ draft), so mean accepted length counts it too.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from typing import NamedTuple
 
 import numpy as np
@@ -142,9 +143,7 @@ class DecodeStats:
         self.draft_lengths.extend(drafted)
         self.accepted_lengths.extend(accepted)
         self._bound()
-        longest = max(drafted, default=0)
-        if longest > len(self.accepted_at):
-            self.accepted_at.extend([0] * (longest - len(self.accepted_at)))
+        self.accepted_at.extend([0] * (max(drafted, default=0) - len(self.accepted_at)))   # none when long enough
         for a in accepted:
             for i in range(a):
                 self.accepted_at[i] += 1
@@ -184,9 +183,7 @@ class DecodeStats:
         self.reliability.merge(other.reliability)
         self.row_steps.extend(other.row_steps)
         self._bound()
-        n = max(len(self.accepted_at), len(other.accepted_at))
-        self.accepted_at = [(self.accepted_at[i] if i < len(self.accepted_at) else 0)
-                            + (other.accepted_at[i] if i < len(other.accepted_at) else 0) for i in range(n)]
+        self.accepted_at = [a + b for a, b in zip_longest(self.accepted_at, other.accepted_at, fillvalue=0)]
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -40,12 +40,9 @@ def eos_ids(eos) -> list[int]:
     if hasattr(eos, "tolist"):                      # numpy array or torch tensor, any shape
         eos = np.asarray(eos.tolist()).reshape(-1).tolist()
     values = eos if isinstance(eos, (list, tuple)) else [eos]
-    out = []
-    for e in values:
-        if isinstance(e, bool) or not isinstance(e, (int, np.integer)):
-            raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
-        out.append(int(e))
-    return out
+    if any(isinstance(e, bool) or not isinstance(e, (int, np.integer)) for e in values):
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
+    return [int(e) for e in values]
 
 
 def trim_at_eos(tokens, eos) -> np.ndarray:

@@ -43,18 +43,15 @@ class RecordedForward:
         return [Verified(torch.from_numpy(self.outputs[b][:1].astype(np.int64))) for b in rows.active]
 
     def verify(self, rows: Rows, drafts) -> list[Verified]:
-        out = []
-        for b, draft in zip(rows.active, drafts):
-            truth = self.outputs[b][rows.cur[b] - rows.prompt_len:]
-            kept = kept_prefix(draft.tokens, truth)
-            out.append(Verified(torch.from_numpy(truth[: kept + 1].astype(np.int64))))
-        return out
+        truths = [self.outputs[b][rows.cur[b] - rows.prompt_len:] for b in rows.active]
+        return [Verified(torch.from_numpy(truth[: kept_prefix(draft.tokens, truth) + 1].astype(np.int64)))
+                for truth, draft in zip(truths, drafts)]
 
     def rollback(self, kept) -> None:
-        pass
+        """No cache: nothing to roll back."""
 
     def keep_rows(self, keep) -> None:
-        pass
+        """No batch to shrink: rows.active alone says which rows go on."""
 
     def calibrate(self, rows, costs, k: int):
         return None

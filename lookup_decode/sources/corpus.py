@@ -324,8 +324,7 @@ class Cursor:
     in the corpus). Drafts stop before an EOS id and at the end of an entry.
     """
 
-    def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(),
-                 window: int = 0):
+    def __init__(self, corpus: Corpus, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), window: int = 0):
         self.min_match, self.max_match = check_match(min_match, max_match)
         self.window = int(window)
         self.corpus = corpus

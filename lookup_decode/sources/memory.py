@@ -59,8 +59,7 @@ class Memory(Corpus):
 
     kind = "memory"
 
-    def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False,
-                 vocab_size: int | None = None):
+    def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
         self.max_tokens = _positive_int(max_tokens, "memory max_tokens")
         if not isinstance(remember_prompts, bool):
@@ -69,8 +68,7 @@ class Memory(Corpus):
         self.evicted = 0                        # entries evicted so far
 
     def _settings(self) -> dict:
-        return {"max_tokens": self.max_tokens, "remember_prompts": self.remember_prompts,
-                "vocab_size": self.vocab_size}
+        return {"max_tokens": self.max_tokens, "remember_prompts": self.remember_prompts, "vocab_size": self.vocab_size}
 
     def add(self, tokens) -> bool:
         """Store one sequence of token ids (int [n]); True if it was new (a repeat only refreshes its entry)."""

@@ -191,8 +191,8 @@ def actor_resources(job: Job, cluster_gpus: float) -> dict:
 
 def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ray_init: dict | None):
     import ray
-    started = False
-    if not ray.is_initialized():
+    started = not ray.is_initialized()      # ours to shut down
+    if started:
         kwargs = dict(ray_init or {})
         if address is None:  # a local cluster: its workers import this very lookup_decode (a checkout, not a wheel)
             # the folder that holds the lookup_decode package (not the package itself: its vllm.py would
@@ -201,17 +201,11 @@ def _run_ray(job: Job, pending: list[dict], address: str | None, actors: int, ra
             path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
             kwargs.setdefault("runtime_env", {"env_vars": {"PYTHONPATH": path}})
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **kwargs)
-        started = True
     try:
         resources = actor_resources(job, ray.cluster_resources().get("GPU", 0.0))
-    except RuntimeError:
-        if started:
-            ray.shutdown()
-        raise
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False        # ours is the one progress bar
-    ctx.print_on_execution_start = False
-    try:
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False        # ours is the one progress bar
+        ctx.print_on_execution_start = False
         # One block per batch: a block's batches run in one task, so fewer blocks than actors would idle actors.
         ds = ray.data.from_items([{"item": json.dumps(item, ensure_ascii=False)} for item in pending],
                                  override_num_blocks=-(-len(pending) // job.batch_size))

@@ -27,7 +27,7 @@ try:
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 except ImportError:     # transformers 4.56-4.57: no such layers, and no `is_croppable` (see _is_croppable)
     class LinearAttentionCacheLayerMixin:
-        pass
+        """Stands in for the layer type transformers 4.56-4.57 lack: no layer is one."""
 
 
 class UnsupportedCacheError(ValueError):

@@ -19,6 +19,7 @@ compiled forwards), `learns_cost` that its time is a real forward's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -52,8 +53,7 @@ class _Model:
         self.keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.processors, self.do_sample, self.generator, self.rules = (Processors(logits_processor), do_sample,
                                                                        generator, rules)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        self.vocab = int(head.weight.shape[0]) if head is not None else getattr(model.config, "vocab_size", None)
+        self.vocab = vocab_size(model)
 
     def logits(self, n_logits: int, **inputs) -> torch.Tensor:
         kwargs = {self.cache_arg: self.cache, "use_cache": True, **inputs}
@@ -71,7 +71,13 @@ class _Model:
         return Verified(emitted, scores, logits)
 
     def keep_rows(self, keep: list[int]) -> None:
-        pass
+        """One sequence: nothing to drop (BatchForward overrides it)."""
+
+
+def vocab_size(model) -> int | None:
+    """Rows of the model's output embedding (its config's vocab_size when it has none): ids a draft may hold."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return int(head.weight.shape[0]) if head is not None else getattr(model.config, "vocab_size", None)
 
 
 def widest_forward(model, rows) -> int:
@@ -277,9 +283,7 @@ def batch_memory_bytes(model, batch: int, max_length: int, k: int, hole_share: f
     columns = int((max_length + k + 1) * (1 + hole_share)) + min_holes
     need = batch * columns * layers * 2 * kv_heads * head_dim * dtype_bytes
     if logits:
-        head = model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else getattr(cfg, "vocab_size", 0)
-        need += batch * (k + 1) * int(vocab) * 4
+        need += batch * (k + 1) * int(vocab_size(model) or 0) * 4
     return need
 
 
@@ -307,13 +311,10 @@ def _free_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(reusable, 0)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -33,12 +33,11 @@ from lookup_decode.core.verify import Rules
 from lookup_decode.engines.hf import encdec
 from lookup_decode.engines.hf.cache import check_batchable, check_croppable, crop, new_cache
 from lookup_decode.engines.hf.draft_model import DraftModelProposer
-from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, check_batch_memory
+from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, check_batch_memory, vocab_size
 from lookup_decode.engines.hf.stopping import first_stops
 from lookup_decode.sources.memory import prediction_of
 from lookup_decode.sources.proposer import PREDICTION, check_sources, with_sources
 
-_OPTION_NAMES = ("k", "min_match", "max_match", "adaptive")
 # The output's cache field: `cache` in transformers 5.x, `past_key_values` in 4.56-4.57.
 _CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
@@ -69,7 +68,7 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
     if not getattr(model.config, "is_encoder_decoder", False):  # else the mask is the encoder input's
         _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}): min {low}, max {high}")
@@ -93,9 +92,8 @@ def _check_attention_mask(mask, input_ids) -> None:
 
 
 def _is_batched(model, input_ids, model_kwargs) -> bool:
-    if getattr(model.config, "is_encoder_decoder", False):   # attention_mask belongs to the encoder input
-        return input_ids.shape[0] > 1
-    mask = model_kwargs.get("attention_mask")
+    # An encoder-decoder's attention_mask belongs to its encoder input.
+    mask = None if encdec.is_encoder_decoder(model) else model_kwargs.get("attention_mask")
     return input_ids.shape[0] > 1 or (mask is not None and not bool((mask == 1).all()))
 
 
@@ -114,11 +112,6 @@ def _check_streamer(streamer, input_ids) -> None:
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(f"streamers take one sequence; got a batch of {input_ids.shape[0]} rows "
                          "(stream one request at a time)")
-
-
-def _vocab_size(model) -> int:
-    head = model.get_output_embeddings()
-    return head.weight.shape[0] if head is not None else model.config.vocab_size
 
 
 @dataclass
@@ -159,7 +152,7 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     drafters = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
                 for _ in range(rows)]
     # Session memory / reference documents (memory.py, sources.py), and each row's own prediction.
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     sources = [call.sources + (((PREDICTION, p),) if p is not None else ())
                for p in _predictions(call.prediction, rows, call.tokenizer, vocab)]
     return [with_sources(d, s, vocab, min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
@@ -257,9 +250,8 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     rows = Rows.start(input_ids, generation_config.max_length, do_sample=do_sample, generator=call.generator)
     try:
         sequences = decode(rows, forward, drafters, _policy(call.options.k, generation_config, model),
-                           stops=_stops(stopping_criteria),
-                           stats=call.stats, streamer=streamer, record=record, adaptive=call.options.adaptive,
-                           costs=call.costs)
+                           stops=_stops(stopping_criteria), stats=call.stats, streamer=streamer, record=record,
+                           adaptive=call.options.adaptive, costs=call.costs)
     finally:  # on every way out (an error, Ctrl-C): a TextIteratorStreamer's reader would otherwise wait forever
         if streamer is not None:
             streamer.end()
@@ -271,11 +263,9 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if int(cache.get_seq_length()) > crop_to:
         crop(cache, int(cache.get_seq_length()) - crop_to)
     output_class = GenerateEncoderDecoderOutput if source is not None else GenerateDecoderOnlyOutput
-    return output_class(
-        sequences=sequences,
-        scores=tuple(record.scores) if generation_config.output_scores else None,
-        logits=tuple(record.logits) if generation_config.output_logits else None,
-        **{_CACHE_FIELD: cache})
+    return output_class(sequences=sequences, scores=tuple(record.scores) if generation_config.output_scores else None,
+                        logits=tuple(record.logits) if generation_config.output_logits else None,
+                        **{_CACHE_FIELD: cache})
 
 
 def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | None = None, proposer=None,
@@ -331,15 +321,17 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     expected to repeat, as OpenAI's Predicted Outputs: token ids, or a text with tokenizer=...; a batch takes one
     per row, or None, in a list): drafted from by this call alone.
     """
-    given = {n: v for n, v in zip(_OPTION_NAMES, (k, min_match, max_match, adaptive)) if v is not None}
-    options = LookupConfig(**given)
-    if generation_config is None:  # called directly, not by model.generate
-        if input_ids is None:
-            raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
-        if not hasattr(model, "generate"):
-            raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
-        hook = lookup_decoding(options, stats=stats, proposer=proposer, generator=generator, streamer=streamer,
-                               memory=memory, references=references, prediction=prediction, tokenizer=tokenizer)
+    given = {n: v for n, v in zip(("k", "min_match", "max_match", "adaptive"), (k, min_match, max_match, adaptive))
+             if v is not None}
+    direct = generation_config is None  # called directly, not by model.generate
+    if direct and input_ids is None:
+        raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
+    if direct and not hasattr(model, "generate"):
+        raise TypeError(f"{type(model).__name__} has no generate(); pass a transformers model")
+    hook = lookup_decoding(LookupConfig(**given), stats=stats, proposer=proposer, generator=generator, memory=memory,
+                           references=references, prediction=prediction, tokenizer=tokenizer,
+                           streamer=streamer if direct else None)
+    if direct:
         stop_strings = model_kwargs.pop("stop_strings", None)
         if stop_strings is not None:
             # transformers (5.x) drops `tokenizer` for a callable custom_generate and then refuses
@@ -353,7 +345,5 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
                               custom_generate=hook, **model_kwargs)
     if synced_gpus:
         raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
-    call = _Call(options, stats, proposer, generator, tuple(check_sources(memory, references)),
-                 prediction=prediction, tokenizer=tokenizer)
-    return _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call,
-                          model_kwargs, inputs_tensor=inputs_tensor)
+    return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
+                inputs_tensor=inputs_tensor, **model_kwargs)

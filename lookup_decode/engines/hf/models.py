@@ -8,8 +8,10 @@ Nothing comes from a model hub: both models ship as PyPI packages, and local pat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -36,7 +38,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 
 class ModelNotFoundError(FileNotFoundError):
-    pass
+    """No model at the path given, or the default / code model is not installed or could not be assembled."""
 
 
 def default_gguf() -> Path:
@@ -156,15 +158,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = tor
     from transformers.utils import logging as hf_logging
 
     dtype = resolve_dtype(dtype, device)
-    path = model_path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
-    if path.is_file() and path.suffix == ".gguf":
-        folder, kwargs = str(path.parent), {"gguf_file": path.name}
-    elif path.is_dir():
-        folder, kwargs = str(path), {}
-    else:
-        raise ModelNotFoundError(f"{str(path)!r} is neither a .gguf file nor a model folder")
+    folder, kwargs = _from_pretrained_args(path)
     # transformers draws progress bars while it de-quantizes GGUF tensors; they would clutter the
     # CLI's output, so they are off during the load and restored after.
     bars_were_on = hf_logging.is_progress_bar_enabled()
@@ -176,6 +170,18 @@ def load_model(path: str | Path | None = None, *, dtype: str | torch.dtype = tor
         if bars_were_on:
             hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer
+
+
+def _from_pretrained_args(path: str | Path | None) -> tuple[str, dict]:
+    """(folder, gguf_file keyword) for transformers' from_pretrained of a `model_path`: a .gguf file or a folder."""
+    path = model_path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{str(path)!r} is neither a .gguf file nor a model folder")
+    return str(path), {}
 
 
 def export_hf(folder: str | Path, path: str | Path | None = None, *, dtype: str | torch.dtype = torch.float32) -> Path:
@@ -219,12 +225,8 @@ def export_hf(folder: str | Path, path: str | Path | None = None, *, dtype: str 
 def load_tokenizer(path: str | Path | None = None):
     """The tokenizer of the default model (or of a .gguf file / model folder) without loading weights."""
     from transformers import AutoTokenizer
-    path = model_path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {str(path)!r} does not exist")
-    if path.is_file():
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    folder, kwargs = _from_pretrained_args(path)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
@@ -242,9 +244,6 @@ def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
 def load_quietly(path=None, threads: int | None = None, dtype: str | torch.dtype = "float32"):
     """(model, tokenizer) for the command line: the GGUF loader's progress bar is kept off stderr unless
     loading fails; ModelNotFoundError (and a bad dtype) becomes SystemExit with its message."""
-    import contextlib
-    import io
-    import sys
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -254,7 +253,7 @@ def load_quietly(path=None, threads: int | None = None, dtype: str | torch.dtype
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return load_model(path, dtype=resolve_dtype(dtype))
+            return load_model(path, dtype=dtype)
     except ModelNotFoundError as e:
         raise SystemExit(f"lookup-decode: {e}")
     except Exception:

@@ -26,10 +26,7 @@ def first_stop(stopping_criteria, ids: torch.Tensor, start: int, end: int, score
     """
     if not stopping_criteria:
         return None
-    for j in range(start, end):
-        if bool(stopping_criteria(ids[:, : j + 1], scores).any()):
-            return j
-    return None
+    return next((j for j in range(start, end) if bool(stopping_criteria(ids[:, : j + 1], scores).any())), None)
 
 
 def first_stops(stopping_criteria, ids: torch.Tensor, rows: list[int], starts: list[int],

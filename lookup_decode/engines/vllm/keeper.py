@@ -36,11 +36,8 @@ IDLE_SECONDS = 1.0      # no propose call for this long: the engine is idle, its
 
 def memory_files(value: str | None) -> list[str]:
     """The memory files of a setting: os.pathsep-separated paths, glob patterns expanded (sorted)."""
-    files = []
-    for p in (value or "").split(os.pathsep):
-        if p:
-            files += sorted(glob.glob(p)) if glob.has_magic(p) else [p]
-    return files
+    patterns = [p for p in (value or "").split(os.pathsep) if p]
+    return [f for p in patterns for f in (sorted(glob.glob(p)) if glob.has_magic(p) else [p])]
 
 
 class Keeper:
@@ -165,8 +162,7 @@ class Keeper:
         if self.memory is None:
             return 0
         paths = [p for p in memory_files(self.settings.memory) if os.path.isfile(p)]
-        return self.memory.merge(load_memory(paths, max_tokens=self.settings.memory_tokens,
-                                             vocab_size=self.vocab_size))
+        return self.memory.merge(load_memory(paths, max_tokens=self.settings.memory_tokens, vocab_size=self.vocab_size))
 
 
 def _loop(ref) -> None:

@@ -213,9 +213,7 @@ class _Counter:
             if self.stream:
                 await self.send_on(self.start)
             return
-        if message["type"] != "http.response.body":
-            return await self.send_on(message)
-        if self.stream and self.start["status"] != 200:
+        if message["type"] != "http.response.body" or self.start["status"] != 200:   # an error answer: as it is
             return await self.send_on(message)
         self.body += message.get("body", b"")
         more = message.get("more_body", False)

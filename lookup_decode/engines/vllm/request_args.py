@@ -42,8 +42,7 @@ def parse(extra_args) -> RequestArgs:
         return RequestArgs()
     if not isinstance(extra_args, dict):
         raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
-    unknown = sorted(key for key in extra_args if isinstance(key, str) and key.startswith(PREFIX)
-                     and key not in KEYS)
+    unknown = sorted(key for key in extra_args if isinstance(key, str) and key.startswith(PREFIX) and key not in KEYS)
     if unknown:
         raise ValueError(f"unknown lookup_decode setting(s) {unknown} in extra_args; known: {list(KEYS)}")
     return RequestArgs(k=_k(extra_args.get(K)), prediction=_prediction(extra_args.get(PREDICTION)),

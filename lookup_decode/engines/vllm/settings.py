@@ -21,6 +21,7 @@ from lookup_decode.core.config import LookupConfig, check_k, check_match
 
 ENV_PREFIX = "LOOKUP_DECODE_"
 CONFIG_KEY = "lookup_decode"        # the key of additional_config the drafter reads
+_UNSET_WHEN_EMPTY = ("memory", "memory_save", "references", "eos", "draft_cost", "k")   # None or "": not given
 _WORDS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 
 
@@ -90,8 +91,13 @@ class Settings:
         values: dict = {}
         path = environ.get(ENV_PREFIX + "CONFIG")
         if path:
-            values.update(_read_object(Path(path).read_text(encoding="utf-8") if Path(path).is_file() else None,
-                                       f"{ENV_PREFIX}CONFIG={path}", names))
+            where = f"{ENV_PREFIX}CONFIG={path}"
+            if not Path(path).is_file():
+                raise ValueError(f"{where}: no such settings file")
+            try:
+                values.update(_checked_keys(json.loads(Path(path).read_text(encoding="utf-8")), where, names))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not a JSON settings file ({e})") from None
         values.update({n: environ[ENV_PREFIX + n.upper()] for n in names if ENV_PREFIX + n.upper() in environ})
         given = (additional_config or {}).get(CONFIG_KEY) if isinstance(additional_config, dict) else None
         if given is not None:
@@ -122,16 +128,6 @@ class Settings:
         return self.memory is not False
 
 
-def _read_object(text: str | None, where: str, names: list[str]) -> dict:
-    if text is None:
-        raise ValueError(f"{where}: no such settings file")
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not a JSON settings file ({e})") from None
-    return _checked_keys(raw, where, names)
-
-
 def _checked_keys(raw, where: str, names: list[str]) -> dict:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected a JSON object of settings, got {type(raw).__name__}")
@@ -144,37 +140,26 @@ def _checked_keys(raw, where: str, names: list[str]) -> dict:
 def _parse(name: str, value):
     """A setting from a string (environment) or a JSON value, to its field's type; ValueError naming it."""
     try:
+        if name in _UNSET_WHEN_EMPTY and value in (None, ""):
+            return None
         if name == "memory":
             # A switch or file paths: JSON true/false, or the words below (a file named "off" needs "./off").
-            if isinstance(value, bool):
-                return None if value else False
-            if isinstance(value, str) and value.strip().lower() in _WORDS:
-                return None if _WORDS[value.strip().lower()] else False
-            return None if value in (None, "") else str(value)
+            switch = _WORDS.get(value.strip().lower()) if isinstance(value, str) else value
+            return (None if switch else False) if isinstance(switch, bool) else str(value)
         if name in ("memory_save", "references"):
-            return None if value in (None, "") else str(value)
+            return str(value)
         if name == "eos":
-            if value in (None, ""):
-                return None
-            items = value.split(",") if isinstance(value, str) else value
-            return tuple(int(v) for v in items)
+            return tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value))
         if name == "adaptive":
-            if isinstance(value, bool):
-                return value
             if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
                 return value.lower() in ("1", "true", "yes")
-            raise ValueError(value)
-        if name in ("draft_cost", "save_seconds"):
-            if isinstance(value, bool):
+            if not isinstance(value, bool):
                 raise ValueError(value)
-            if name == "draft_cost" and value in (None, ""):
-                return None
-            return float(value)
-        if name == "k" and value in (None, ""):
-            return None
-        if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            return value
+        real = name in ("draft_cost", "save_seconds")
+        if isinstance(value, bool) or not real and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
-        return int(value)
+        return float(value) if real else int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{ENV_PREFIX}{name.upper()}: cannot read {value!r} as a {name} setting") from None
 

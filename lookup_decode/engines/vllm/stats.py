@@ -51,12 +51,10 @@ class DrafterStats:
     def request(self, request_id: str) -> RequestStats | None:
         """The counters of one request (None: not followed by id, or among the oldest forgotten). vLLM's engine
         adds a suffix to the id a client gave ("7" runs as "7-1a2b3c4d"): either finds it (the latest such)."""
-        found = self.requests.get(request_id)
-        if found is None:
-            for key in reversed(self.requests):
-                if key.rpartition("-")[0] == request_id:
-                    return self.requests[key]
-        return found
+        if request_id in self.requests:
+            return self.requests[request_id]
+        return next((self.requests[key] for key in reversed(self.requests) if key.rpartition("-")[0] == request_id),
+                    None)
 
     def of_request(self, request_id: str) -> RequestStats:
         """The counters of request_id, made if new (only the REQUESTS_KEPT most recent are kept)."""
