@@ -42,9 +42,9 @@ from lookup_decode.core.step_cost import StepCost
 from lookup_decode.engines.vllm import request_args
 from lookup_decode.engines.vllm.keeper import Keeper
 from lookup_decode.engines.vllm.requests import NO_LIMIT, Drafts, EngineRequests, Request, RequestInfo, RequestTable
-from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path
+from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, load_references_setting, replica_path
 from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats
-from lookup_decode.sources.memory import Memory, References, load_references, prediction_of
+from lookup_decode.sources.memory import Memory, References, prediction_of
 
 log = logging.getLogger("lookup_decode.vllm")
 
@@ -74,7 +74,8 @@ class BatchDrafter:
                              memory_save=replica_path(settings.memory_save, *replica), on_idle=self.store_known,
                              on_exit=self.shutdown)
         self.memory, self.scopes = self.keeper.memory, self.keeper.scopes
-        self.references = references if references is not None else self._load_references()
+        self.references = references if references is not None else load_references_setting(
+            settings.references, tokenizer=tokenizer, vocab_size=vocab_size)
         for corpus in (self.memory, self.references):   # a foreign memory file fails here, not while serving
             if corpus is not None and vocab_size is not None:
                 corpus.check_vocab(vocab_size, "the engine's model")
@@ -119,12 +120,7 @@ class BatchDrafter:
                 self._fresh()
                 return Drafts(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, self.k), np.int32))
             finally:
-                took, s = time.perf_counter() - t, self.stats
-                s.propose_s += took
-                if s.steps <= 1:
-                    s.first_propose_s = took
-                elif took > s.propose_max_s:
-                    s.propose_max_s = took
+                self.stats.timed(time.perf_counter() - t)
                 self.keeper.called()
 
     def _draft(self, matrix, counts, emitted, engine: EngineRequests | None, now: float) -> Drafts:
@@ -338,15 +334,6 @@ class BatchDrafter:
             log.warning("lookup_decode: request %s: %s %s; it drafts without it", request_id,
                         request_args.PREDICTION, e)
             return None
-
-    def _load_references(self) -> References | None:
-        path = self.settings.references
-        if not path:
-            return None
-        try:                                        # text files are tokenized with the engine's tokenizer
-            return load_references(path, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
-        except (FileNotFoundError, ValueError) as e:
-            raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
 
     def _roles(self, s: int) -> tuple:
         """The corpora slot s drafts from, by the pool's roles: (memory, references, prediction), None where none."""

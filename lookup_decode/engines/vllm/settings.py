@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from lookup_decode.core.config import LookupConfig, check_k, check_match
+from lookup_decode.sources.memory import References, load_references
 
 ENV_PREFIX = "LOOKUP_DECODE_"
 CONFIG_KEY = "lookup_decode"        # the key of additional_config the drafter reads
@@ -162,6 +163,17 @@ def _parse(name: str, value):
         return float(value) if real else int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{ENV_PREFIX}{name.upper()}: cannot read {value!r} as a {name} setting") from None
+
+
+def load_references_setting(path: str | None, *, tokenizer=None, vocab_size: int | None = None) -> References | None:
+    """The references a `references` setting names (text files tokenized with the engine's tokenizer); None without
+    one. A bad one raises when the drafter is built, naming the setting."""
+    if not path:
+        return None
+    try:
+        return load_references(path, tokenizer=tokenizer, vocab_size=vocab_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{ENV_PREFIX}REFERENCES: {e}") from None
 
 
 def replica_path(path: str | None, rank: int, replicas: int) -> str | None:

@@ -48,6 +48,14 @@ class DrafterStats:
     reliability: Calibration = field(default_factory=Calibration)   # predicted vs kept of the tokens sent
     requests: OrderedDict = field(default_factory=OrderedDict)      # request id -> RequestStats (by id only)
 
+    def timed(self, seconds: float) -> None:
+        """One propose call took `seconds` (the first is apart: it loads or compiles the kernels)."""
+        self.propose_s += seconds
+        if self.steps <= 1:
+            self.first_propose_s = seconds
+        elif seconds > self.propose_max_s:
+            self.propose_max_s = seconds
+
     def request(self, request_id: str) -> RequestStats | None:
         """The counters of one request (None: not followed by id, or among the oldest forgotten). vLLM's engine
         adds a suffix to the id a client gave ("7" runs as "7-1a2b3c4d"): either finds it (the latest such)."""
