@@ -15,7 +15,9 @@ from benchmarks.replay.forced import PAIRS, Forced, build, config_of, forced_rep
 
 
 def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    # The script runs a bare `python`: this interpreter's, whether or not its venv is on PATH.
+    env = {**os.environ, "DRY_RUN": "1", "OUT_DIR": str(tmp_path), "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "micro" / "gpu_check.sh")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
