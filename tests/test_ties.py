@@ -121,3 +121,26 @@ def test_code_model_bf16_differs_only_at_near_ties(code_model, name, messages, o
     torch.set_num_threads(2)
     model, tokenizer = code_model
     differences_are_near_ties(model, models.chat_ids(tokenizer, messages), options)
+
+
+def test_the_vllm_study_classifier_finds_and_classifies_each_difference(bf16_run):
+    """benchmarks/vllm/ties.py on a study shaped like the engine study's JSON: the request whose tokens differ
+    from no speculation's is found and classified by `ties.classify`; the equal one and the reference are not."""
+    from benchmarks.vllm import ties as study_ties
+
+    model, prompt, plain, logits = bf16_run
+    other = plain.tolist()
+    other[10:] = [int(logits[10].argmin())] * (len(other) - 10)      # far from a tie
+    cell = {"workload": "code_edit", "batch": 1, "phase": "cold"}
+    study = {"prompts": {"0": prompt.tolist(), "1": prompt.tolist()},
+             "settings": {"model": "tiny", "dtype": "bfloat16"},
+             "runs": [{"method": "none", "repeat": 0, "cells": [{**cell, "tokens": {"0": plain.tolist(),
+                                                                                    "1": plain.tolist()}}]},
+                      {"method": "lookup_decode", "repeat": 0, "cells": [{**cell, "tokens": {"0": plain.tolist(),
+                                                                                             "1": other}}]}]}
+    rows = study_ties.classify_all(study, model)
+    assert [(r["method"], r["request"], r["position"]) for r in rows] == [("lookup_decode", "1", 10)]
+    expect = ties.classify(model, prompt, plain, torch.tensor(other))
+    assert (rows[0]["near_tie"], rows[0]["gap_1"]) == (expect.near_tie, expect.gaps[0])
+    assert "1 of 2 speculative outputs differ" in study_ties.report(study, rows, "study.json")
+    assert ("NOT MET" in study_ties.report(study, rows, "study.json")) == (not expect.near_tie)
