@@ -50,6 +50,9 @@ def test_the_edits_keep_the_files_that_fit(data):
     assert edits[0]["file_tokens"] == 6 and edits[0]["instruction"] == "Speed it up."
     assert fa.prompt(edits[0]) == "Speed it up.\n\n```python\ny = 2\n\n```\n\n" + fa.ASK
     assert [e["id"] for e in fa.load_edits(["nofuneval"], 5, 1000, chars)] == ["latency/0", "latency/1", "latency/2"]
+    rewrites = fa.load_edits(["rewrite"], 2, 1000, chars)        # the same files, asked for another language
+    assert [(e["id"], e["lang"], e["instruction"]) for e in rewrites] == [
+        ("latency/0", "java", fa.REWRITE.format("Python")), ("latency/1", "python", fa.REWRITE.format("Go"))]
     assert fa.max_tokens({"file_tokens": 100}, 1000) == 157 and fa.max_tokens({"file_tokens": 100}, 64) == 64
 
 

@@ -54,7 +54,10 @@ from benchmarks.vllm.engine import METHODS, default_model, dist_version
 from lookup_decode.measure import command_line, spread
 
 OUT = RESULTS / "fast_apply"
-SETS = ("nofuneval", "editeval", "aider")
+SETS = ("nofuneval", "editeval", "aider", "rewrite")
+# `rewrite`: NoFunEval's files, each asked to be rewritten in another language (our instruction, their files): an
+# edit whose output keeps little of the prediction, where the prediction must cost nothing.
+REWRITE = "Rewrite this program in {}, keeping what it does."
 VARIANTS = {"none": ("none", False), "ngram": ("ngram", False), "suffix": ("suffix", False),
             "lookup_decode": ("lookup_decode", False), "lookup_decode+prediction": ("lookup_decode", True)}
 ASK = "Return the whole file, edited."
@@ -69,7 +72,8 @@ def load_edits(sets, n: int, max_file_tokens: int, count_tokens) -> list[dict]:
     [{"set", "id", "instruction", "file", "lang", "file_tokens"}]."""
     rows = {"nofuneval": ("nofuneval_edit/nofuneval_edit.jsonl", "id", "instruction", "source_code", "pl"),
             "editeval": ("instructcoder_editeval/edit_eval.jsonl", "task_id", "instruction", "input", None),
-            "aider": ("aider_refactor/refactor_benchmark.jsonl", "id", "instruction", "before_code", None)}
+            "aider": ("aider_refactor/refactor_benchmark.jsonl", "id", "instruction", "before_code", None),
+            "rewrite": ("nofuneval_edit/nofuneval_edit.jsonl", "id", None, "source_code", "pl")}
     out = []
     for name in sets:
         path, key, instruction, source, lang = rows[name]
@@ -79,8 +83,10 @@ def load_edits(sets, n: int, max_file_tokens: int, count_tokens) -> list[dict]:
                 break
             tokens = count_tokens(row[source])
             if tokens <= max_file_tokens:
-                out.append({"set": name, "id": str(row[key]), "instruction": row[instruction].strip(),
-                            "file": row[source], "lang": (row[lang] if lang else "python").lower(),
+                code = (row[lang] if lang else "python").lower()
+                other = "Go" if code == "python" else "Python"
+                ask = row[instruction].strip() if instruction else REWRITE.format(other)
+                out.append({"set": name, "id": str(row[key]), "instruction": ask, "file": row[source], "lang": code,
                             "file_tokens": tokens})
                 taken += 1
     return out
