@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from lookup_decode.core import automaton as K
-from lookup_decode.core.config import check_match
+from lookup_decode.core.config import check_int, check_match
 from lookup_decode.core.draft import Draft
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
@@ -67,10 +67,7 @@ class Corpus:
     kind = "corpus"
 
     def __init__(self, *, vocab_size: int | None = None):
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
-                                       or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        self.vocab_size = vocab_size
+        self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, 1)
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}   # in index order
         self._index = SuffixIndex(min_match=1, max_match=2**31 - 1)

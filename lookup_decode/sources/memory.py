@@ -20,8 +20,7 @@ import hashlib
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
+from lookup_decode.core.config import check_int
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.sources.corpus import Corpus, Entry, eviction_order, extend_index
 
@@ -29,14 +28,6 @@ from lookup_decode.sources.corpus import Corpus, Entry, eviction_order, extend_i
 # the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
 LOW_WATER = 0.75
 HIGH_WATER = 0.875   # `evict_aside` evicts once the memory holds more than this share of its bound
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1 token, got {value}")
-    return int(value)
 
 
 class Memory(Corpus):
@@ -61,7 +52,7 @@ class Memory(Corpus):
 
     def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
-        self.max_tokens = _positive_int(max_tokens, "memory max_tokens")
+        self.max_tokens = check_int("memory max_tokens", max_tokens, 1)
         if not isinstance(remember_prompts, bool):
             raise TypeError(f"remember_prompts must be True or False, got {remember_prompts!r}")
         self.remember_prompts = remember_prompts
@@ -194,7 +185,7 @@ class References(Corpus):
 
     def __init__(self, *, max_tokens: int | None = None, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
-        self.max_tokens = None if max_tokens is None else _positive_int(max_tokens, "references max_tokens")
+        self.max_tokens = None if max_tokens is None else check_int("references max_tokens", max_tokens, 1)
 
     def _settings(self) -> dict:
         return {"max_tokens": self.max_tokens, "vocab_size": self.vocab_size}
