@@ -19,9 +19,7 @@ compiled forwards), `learns_cost` that its time is a real forward's.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
 
 import numpy as np
 import torch
@@ -295,30 +293,24 @@ def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: f
         return                                    # cannot estimate: let it run
     if available_bytes is None:
         available_bytes = _free_memory(next(model.parameters()).device)
-    if available_bytes is not None and need > available_bytes:
+    if need > available_bytes:
         raise ValueError(
             f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and "
             f"logits for {type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller "
             f"batch or fewer max_new_tokens")
 
 
-def _free_memory(device: torch.device) -> int | None:
+def _free_memory(device: torch.device) -> int:
     """Bytes this process can still allocate on `device`.
 
     CUDA: the driver's free memory plus what torch's caching allocator holds reserved but unused (it
-    reuses that first). CPU: MemAvailable, which counts the page cache the kernel gives back on demand
-    (free pages alone, SC_AVPHYS_PAGES, refused batches that fit)."""
+    reuses that first). CPU: psutil's available memory (Linux's MemAvailable), which counts the page cache the
+    kernel gives back on demand (free pages alone, SC_AVPHYS_PAGES, refused batches that fit)."""
     if device.type == "cuda":
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(reusable, 0)
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    import psutil  # accelerate's dependency
+    return psutil.virtual_memory().available
 
 
 def measure_forward_cost(model, context_ids, sizes, repeats: int = 3) -> list[float]:
