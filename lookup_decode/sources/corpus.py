@@ -128,8 +128,7 @@ class Corpus:
         return arr
 
     def _append(self, entry: Entry) -> None:
-        entry.start = len(self._index)
-        self._index.extend(np.append(entry.tokens, np.int32(SEPARATOR)))
+        (entry.start,) = extend_index(self._index, [entry])
         self._entries[entry.key] = entry
         self._starts.append(entry.start)
         self._keys.append(entry.key)
@@ -241,9 +240,16 @@ def extend_index(index: SuffixIndex, entries: list[Entry]) -> list[int]:
     return (base + np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in entries])[:-1]])).tolist()
 
 
-def eviction_order(entries: list[Entry]) -> list[Entry]:
-    """Least recently useful first: oldest last use, then fewer accepted draft tokens, then older entry."""
-    return sorted(entries, key=lambda e: (e.last_used, e.accepted, e.added))
+def least_useful(entries, budget: int) -> list:
+    """The keys of the entries to drop until at most `budget` of their tokens remain, least recently useful first:
+    oldest last use, then fewer accepted draft tokens, then older entry."""
+    held, gone = sum(e.tokens.size for e in entries), []
+    for e in sorted(entries, key=lambda e: (e.last_used, e.accepted, e.added)):
+        if held <= budget:
+            break
+        gone.append(e.key)
+        held -= e.tokens.size
+    return gone
 
 
 _MEMBERS = {"header.npy", "tokens.npy", "lengths.npy"}

@@ -20,9 +20,11 @@ import hashlib
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from lookup_decode.core.config import check_int
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.sources.corpus import Corpus, Entry, eviction_order, extend_index
+from lookup_decode.sources.corpus import Corpus, Entry, extend_index, least_useful
 
 # After an eviction the memory holds at most this share of its bound, so the O(bound) rebuild of
 # the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
@@ -104,13 +106,7 @@ class Memory(Corpus):
 
     def _least_useful(self, budget: int) -> list[str]:
         """The keys `_evict(budget)` drops, in eviction order (caller holds the lock)."""
-        held, gone = self._n_tokens, []
-        for e in eviction_order(self._entries.values()):
-            if held <= budget:
-                break
-            gone.append(e.key)
-            held -= e.tokens.size
-        return gone
+        return least_useful(self._entries.values(), budget)
 
     def evict_aside(self) -> int:
         """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
@@ -141,19 +137,15 @@ class Memory(Corpus):
     def _load_keep(self, header: dict, lengths) -> list[bool]:
         """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
         metadata first, so a large file never gets indexed whole just to be cut down."""
-        keep = [True] * len(lengths)
-        held = sum(int(n) for n in lengths)
-        if held <= self.max_tokens:
-            return keep
-        saved = [Entry(i, lengths[i:i + 1], added=header["added"][i], last_used=header["last_used"][i],
-                       accepted=header["accepted"][i]) for i in range(len(lengths))]
-        for e in eviction_order(saved):
-            if held <= int(LOW_WATER * self.max_tokens):
-                break
-            keep[e.key] = False
-            held -= int(lengths[e.key])
-            self.evicted += 1
-        return keep
+        if sum(int(n) for n in lengths) <= self.max_tokens:
+            return [True] * len(lengths)
+        # Entries of the right sizes that share one buffer: no token is read before the choice.
+        sizes = np.empty(int(max(lengths)), np.int32)
+        saved = [Entry(i, sizes[:int(n)], added=header["added"][i], last_used=header["last_used"][i],
+                       accepted=header["accepted"][i]) for i, n in enumerate(lengths)]
+        gone = set(least_useful(saved, int(LOW_WATER * self.max_tokens)))
+        self.evicted += len(gone)
+        return [i not in gone for i in range(len(lengths))]
 
     def clear(self) -> None:
         with self._lock:
