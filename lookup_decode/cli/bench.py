@@ -22,9 +22,10 @@ from pathlib import Path
 
 from lookup_decode.cli import check_at_least
 from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.stats import CALIBRATION_MIN_TOKENS
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
-from lookup_decode.measure import CALIBRATION_MIN_TOKENS, PLAIN, Variant, compare, environment, measure, run_variant
+from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, run_variant
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
