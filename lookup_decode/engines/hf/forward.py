@@ -24,7 +24,7 @@ import inspect
 import numpy as np
 import torch
 
-from lookup_decode.core.cost import timed
+from lookup_decode.core.cost import MIN_CALIBRATED, timed
 from lookup_decode.core.draft import EMPTY
 from lookup_decode.core.forward import Verified
 from lookup_decode.core.policy import BUCKETS
@@ -148,7 +148,7 @@ class SequenceForward(_Model):
             if room < 1:
                 return None                     # a full static cache: no forward can follow (nor be timed)
             fit = min(fit, room)
-            sizes = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
+            sizes = [b for b in BUCKETS if b <= min(max(k + 1, MIN_CALIBRATED), room)]
         return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes, fit=fit)
 
     def verify(self, rows, drafts):

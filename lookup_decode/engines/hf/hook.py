@@ -66,7 +66,7 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if not getattr(model.config, "is_encoder_decoder", False):  # else the mask is the encoder input's
+    if not encdec.is_encoder_decoder(model):  # else the mask is the encoder input's
         _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
     vocab = vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
