@@ -147,10 +147,6 @@ class Memory(Corpus):
         self.evicted += len(gone)
         return [i not in gone for i in range(len(lengths))]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._remove(list(self._entries))
-
     def snapshot(self) -> "Memory":
         """A copy of the entries without an index (O(entries): the token arrays are shared, never written), for
         `save` to write while this memory goes on serving: a writer of it holds only the copy's lock."""
@@ -213,11 +209,6 @@ class References(Corpus):
             self.clock += 1
             self._append(Entry(name, arr, added=self.clock, last_used=self.clock))
         return int(arr.size)
-
-    def register_files(self, paths, tokenizer, *, replace: bool = False) -> int:
-        """Register text files under their path names; returns the total tokens registered."""
-        return sum(self.register(str(p), Path(p).read_text(encoding="utf-8"), tokenizer=tokenizer, replace=replace)
-                   for p in paths)
 
     def remove(self, *names: str) -> None:
         """Remove documents by name (KeyError naming the first unknown one; then nothing is removed)."""
