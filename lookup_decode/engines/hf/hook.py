@@ -282,6 +282,8 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=False, streamer=None, inputs_tensor=None, **model_kwargs):
+        if synced_gpus:
+            raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
         if streamer is None and bound_streamer is not None:
             # transformers put the prompt only into a streamer it was given; this one it never saw.
             streamer = bound_streamer
@@ -338,7 +340,5 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
                                  else StoppingCriteriaList([*stopping_criteria, *extra]))
         return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                               custom_generate=hook, **model_kwargs)
-    if synced_gpus:
-        raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
-    return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
-                inputs_tensor=inputs_tensor, **model_kwargs)
+    return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                streamer=streamer, inputs_tensor=inputs_tensor, **model_kwargs)
