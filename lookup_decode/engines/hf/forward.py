@@ -139,9 +139,7 @@ class SequenceForward(_Model):
         last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
 
         def seconds_of(n):
-            elapsed = timed(last.device, lambda: self(last.expand(1, n), 1))
-            crop(self.cache, n)
-            return elapsed
+            return timed_then_cropped(self.cache, n, last.device, lambda: self(last.expand(1, n), 1))
         sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
             room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
@@ -202,16 +200,15 @@ class BatchForward(_Model):
 
     def calibrate(self, rows, costs, k: int):
         """The cost curve of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
-        rows_, last = rows, rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
-        rows = last.shape[0]
+        last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
+        n = last.shape[0]
 
         def seconds_of(w):
-            cols = torch.ones((rows, w), dtype=torch.bool, device=last.device)
+            cols = torch.ones((n, w), dtype=torch.bool, device=last.device)
             pos = self.positions[:, None] + torch.arange(w, device=last.device)
-            elapsed = timed(last.device, lambda: self(last.expand(rows, w), torch.cat([self.mask, cols], 1), pos, w))
-            crop(self.cache, w)
-            return elapsed
-        return costs.curve(self.model, k + 1, seconds_of, rows=rows, fit=widest_forward(self.model, rows_))
+            return timed_then_cropped(self.cache, w, last.device,
+                                      lambda: self(last.expand(n, w), torch.cat([self.mask, cols], 1), pos, w))
+        return costs.curve(self.model, k + 1, seconds_of, rows=n, fit=widest_forward(self.model, rows))
 
     def verify(self, rows, drafts):
         device = rows.ids.device
@@ -325,9 +322,15 @@ def measure_forward_cost(model, context_ids, sizes, repeats: int = 3) -> list[fl
         model(input_ids=context_ids, **{arg: cache}, use_cache=True)
         for n in sizes:
             ids = context_ids[:, -n:] if n <= context_ids.shape[1] else context_ids[:, -1:].expand(1, n)
-            times = []
-            for _ in range(repeats):
-                times.append(timed(context_ids.device, lambda: model(input_ids=ids, **{arg: cache}, use_cache=True)))
-                crop(cache, n)
-            out.append(float(np.median(times)))
+
+            def forward():
+                return model(input_ids=ids, **{arg: cache}, use_cache=True)
+            out.append(float(np.median([timed_then_cropped(cache, n, ids.device, forward) for _ in range(repeats)])))
     return out
+
+
+def timed_then_cropped(cache, n: int, device, forward) -> float:
+    """Seconds of `forward()`, a timing forward that adds n tokens to `cache`; they leave it again after."""
+    elapsed = timed(device, forward)
+    crop(cache, n)
+    return elapsed
