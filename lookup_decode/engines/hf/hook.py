@@ -128,11 +128,6 @@ class _Call:
     tokenizer: object = None       # reads a text prediction
 
 
-def _stops(stopping_criteria):
-    """transformers' stopping criteria as the step's stop rule: asked after every emitted token."""
-    return partial(first_stops, stopping_criteria) if stopping_criteria else None
-
-
 def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     """One drafter per row: the caller's proposer(s), else a SuffixIndex (with memory/references if given)."""
     proposer, options = call.proposer, call.options
@@ -239,10 +234,12 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         drafters[0].extend(source[0])
     rows = Rows.start(input_ids, generation_config.max_length, pad_token_id=pad, do_sample=do_sample,
                       generator=call.generator)
+    # transformers' stopping criteria as the step's stop rule: asked after every emitted token
+    stops = partial(first_stops, stopping_criteria) if stopping_criteria else None
     try:
         sequences = decode(rows, forward, drafters, _policy(call.options.k, generation_config, model),
-                           prompt_mask=mask, stops=_stops(stopping_criteria), stats=call.stats, streamer=streamer,
-                           record=record, adaptive=call.options.adaptive, costs=call.costs)
+                           prompt_mask=mask, stops=stops, stats=call.stats, streamer=streamer, record=record,
+                           adaptive=call.options.adaptive, costs=call.costs)
     finally:  # on every way out (an error, Ctrl-C): a TextIteratorStreamer's reader would otherwise wait forever
         if streamer is not None:
             streamer.end()
