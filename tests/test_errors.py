@@ -20,6 +20,13 @@ def test_streamer_with_a_batch(tiny_llama):
                                streamer=object())
 
 
+def test_synced_gpus_refused_by_both_entry_points(tiny_llama):
+    from transformers import GenerationConfig
+    for hook in (lookup_decode.generate, lookup_decode.lookup_decoding()):
+        with pytest.raises(ValueError, match="synced_gpus"):
+            hook(tiny_llama, repetitive_prompt(0), None, None, GenerationConfig(max_new_tokens=4), True)
+
+
 def test_num_return_sequences(tiny_llama):
     with pytest.raises(ValueError, match="num_return_sequences"):
         hooked(tiny_llama, repetitive_prompt(0), num_return_sequences=2)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from lookup_decode import CorpusFileError, Memory, References, SuffixIndex
 from lookup_decode.core.draft import Draft
 from lookup_decode.sources.corpus import SEPARATOR
-from lookup_decode.sources.memory import LOW_WATER
+from lookup_decode.sources.memory import LOW_WATER, load_references
 from lookup_decode.sources.proposer import SourcesProposer, check_sources
 
 
@@ -337,15 +337,13 @@ def test_corrupt_and_foreign_files_give_clear_errors(tmp_path):
             Memory.load(odd)
 
 
-def test_register_files(tmp_path):
-    paths = []
+def test_references_from_text_files(tmp_path):
     for name, text in (("a.py", "def f():\n    return 1\n"), ("b.py", "x = 2\n")):
         (tmp_path / name).write_text(text)
-        paths.append(tmp_path / name)
-    refs = References()
     tokenizer = lambda text, add_special_tokens=False: {"input_ids": [ord(c) for c in text]}  # noqa: E731
-    assert refs.register_files(paths, tokenizer) == sum(len(p.read_text()) for p in paths)
-    assert refs.names == [str(p) for p in paths]
+    refs = load_references(tmp_path, tokenizer=tokenizer)
+    assert refs.n_tokens == sum(len(p.read_text()) for p in tmp_path.iterdir())
+    assert refs.names == ["a.py", "b.py"]
     c = refs.cursor()
     c.extend([ord(ch) for ch in "def f"])
     assert bytes(c.propose(4).tokens.tolist()).decode() == "():\n"

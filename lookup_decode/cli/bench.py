@@ -22,9 +22,10 @@ from pathlib import Path
 
 from lookup_decode.cli import check_at_least
 from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.stats import CALIBRATION_MIN_TOKENS
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
-from lookup_decode.measure import CALIBRATION_MIN_TOKENS, PLAIN, Variant, compare, environment, measure, run_variant
+from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, run_variant
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
@@ -115,19 +116,14 @@ def run(args) -> int:
 
     from lookup_decode.core.cost import CostCurve
     from lookup_decode.engines.hf.forward import measure_forward_cost
-    from lookup_decode.engines.hf.models import ModelNotFoundError, load_model
+    from lookup_decode.engines.hf.models import load_quietly
     from lookup_decode.engines.replay import SEARCH_K, search_settings
 
     check_at_least(PROG, args, max_new_tokens=1, threads=1, repeats=1)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"{PROG}: --device {args.device} but CUDA is not available")
     requests = read_requests(args.prompts)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    except (ModelNotFoundError, ValueError) as e:
-        raise SystemExit(f"{PROG}: {e}")
+    model, tokenizer = load_quietly(args.model, args.threads, args.dtype, device=args.device, prog=PROG)
     prompts = prompt_ids(tokenizer, requests, args.device)
     ids = [r.id for r in requests]
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))

@@ -66,17 +66,14 @@ def cmd_chat(args) -> int:
     model, tokenizer = load_quietly(args.model, args.threads, args.dtype)
     interactive = sys.stdin.isatty()
 
-    def lines():
-        while True:
-            if interactive:
-                print("you> ", end="", flush=True)
-            line = sys.stdin.readline()
-            if not line:
-                return
-            yield line
+    def read_line() -> str:             # "" at the end of input
+        if interactive:
+            print("you> ", end="", flush=True)
+        return sys.stdin.readline()
 
-    run_chat(model, tokenizer, lines(), memory, path, max_new_tokens=args.max_new_tokens, system=args.system,
-             streamer_factory=lambda: TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True), k=args.k)
+    run_chat(model, tokenizer, iter(read_line, ""), memory, path, max_new_tokens=args.max_new_tokens,
+             system=args.system, k=args.k,
+             streamer_factory=lambda: TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
     return 0
 
 

@@ -287,7 +287,7 @@ def cmd_generate(args, loaded=None) -> int:
         plain_s = time.perf_counter() - start
         plain_new = plain.shape[1] - input_ids.shape[1]
         # Both timed around the whole generate call (transformers' preparation included on both sides).
-        result["compare"] = {
+        result["compare"] = c = {
             "plain_tokens_per_second": plain_new / plain_s,
             "lookup_tokens_per_second": stats.new_tokens / lookup_s,
             "speedup": (plain_s / plain_new) / (lookup_s / max(stats.new_tokens, 1)),
@@ -295,14 +295,13 @@ def cmd_generate(args, loaded=None) -> int:
         }
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(f"\n--- {stats.summary()}", file=sys.stderr)
-        if args.compare:
-            c = result["compare"]
-            same = "n/a (sampling)" if c["identical"] is None else ("yes" if c["identical"] else "NO")
-            print(f"--- plain generate {c['plain_tokens_per_second']:.1f} tok/s; lookup_decode "
-                  f"{c['lookup_tokens_per_second']:.1f} tok/s; speed-up x{c['speedup']:.2f}; identical output: {same}",
-                  file=sys.stderr)
+        return 0
+    print(f"\n--- {stats.summary()}", file=sys.stderr)
+    if args.compare:
+        same = "n/a (sampling)" if c["identical"] is None else ("yes" if c["identical"] else "NO")
+        print(f"--- plain generate {c['plain_tokens_per_second']:.1f} tok/s; lookup_decode "
+              f"{c['lookup_tokens_per_second']:.1f} tok/s; speed-up x{c['speedup']:.2f}; identical output: {same}",
+              file=sys.stderr)
     return 0
 
 

@@ -11,25 +11,24 @@ CORPUS_MIN_MATCH = 4
 ALONE_MIN_MATCH = 2
 
 
-def _int(name: str, value) -> int:
+def check_int(name: str, value, low: int | None = None) -> int:
+    """value as an int (>= low when given), else a TypeError/ValueError naming it: the one integer check of every
+    option. Example: check_int("k", 8, 0) -> 8; check_int("k", True) raises TypeError."""
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
     return int(value)
 
 
 def check_k(k) -> int:
     """k (most draft tokens per step) as an int >= 0, else a TypeError/ValueError naming it."""
-    k = _int("k", k)
-    if k < 0:
-        raise ValueError(f"k (max draft tokens per step) must be >= 0, got {k}")
-    return k
+    return check_int("k", k, 0)
 
 
 def check_match(min_match, max_match) -> tuple[int, int]:
     """(min_match, max_match) as ints with 1 <= min_match <= max_match, else an error naming them."""
-    min_match, max_match = _int("min_match", min_match), _int("max_match", max_match)
-    if min_match < 1:
-        raise ValueError(f"min_match must be >= 1, got {min_match}")
+    min_match, max_match = check_int("min_match", min_match, 1), check_int("max_match", max_match)
     if max_match < min_match:
         raise ValueError(f"max_match ({max_match}) must be >= min_match ({min_match})")
     return min_match, max_match
@@ -71,5 +70,4 @@ class LookupConfig:
             raise TypeError(f"adaptive must be True or False, got {self.adaptive!r}")
         if not 0 <= self.hole_share <= 1:
             raise ValueError(f"hole_share must be in [0, 1], got {self.hole_share}")
-        if _int("min_holes", self.min_holes) < 0:
-            raise ValueError(f"min_holes must be >= 0, got {self.min_holes}")
+        check_int("min_holes", self.min_holes, 0)

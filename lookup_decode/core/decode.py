@@ -158,17 +158,12 @@ def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, st
     forward.rollback(kept)
     stats.model_s += time.perf_counter() - t
 
-    # 5. Commit and stop; finished rows leave the batch.
-    t = time.perf_counter()
+    # 5. Commit and stop; each drafter gets the committed tokens.
     width, active = 1 + max(len(d) for d in drafts), list(rows.active)
-    alive, committed = commit(rows, verified, stops, streamer, record)
-    stats.commit_s += time.perf_counter() - t
+    alive = _commit_and_feed(rows, verified, drafters, stops, stats, streamer, record)
 
-    # 6. Learn: each drafter gets the committed tokens; acceptance from the whole proposals (even unverified
-    # ones), cost from this forward.
+    # 6. Learn: acceptance from the whole proposals (even unverified ones), cost from this forward.
     t = time.perf_counter()
-    for b, tokens in zip(active, committed):
-        drafters[b].extend(tokens)              # already on the host (verify.accept_*)
     emitted = [v.emitted.cpu().numpy() for v in verified]
     stats.observe_rows([len(d) for d in drafts], kept, trees=sum(d.parents is not None for d in drafts),
                        off_chain=sum(d.parents is not None and k > 0 and e[0] != d.tokens[0]
@@ -184,11 +179,30 @@ def step(rows: Rows, forward: Forward, drafters, policy, stops: Stops | None, st
     policy.observe_rows(fulls, emitted, rows=active)
     if policy.cost is not None and forward.learns_cost:
         policy.cost.observe(len(active), width, verify_s)
-    if len(alive) < len(active):
+    _drop_finished(rows, forward, alive)
+    stats.proposer_s += time.perf_counter() - t
+
+
+def _commit_and_feed(rows: Rows, verified: list[Verified], drafters, stops: Stops | None, stats: DecodeStats,
+                     streamer, record: Recorded | None) -> list[int]:
+    """`commit` (timed as commit_s), then each row's drafter gets its committed tokens (already on the host,
+    verify.accept_*; timed as proposer_s). Returns the indices into the active rows of those that go on."""
+    t, active = time.perf_counter(), list(rows.active)
+    alive, committed = commit(rows, verified, stops, streamer, record)
+    stats.commit_s += time.perf_counter() - t
+    t = time.perf_counter()
+    for b, tokens in zip(active, committed):
+        drafters[b].extend(tokens)
+    stats.proposer_s += time.perf_counter() - t
+    return alive
+
+
+def _drop_finished(rows: Rows, forward: Forward, alive: list[int]) -> None:
+    """Only the active rows at indices `alive` go on; the forward drops the others (unless none is left)."""
+    if len(alive) < len(rows.active):
         rows.active = [rows.active[i] for i in alive]
         if alive:
             forward.keep_rows(alive)
-    stats.proposer_s += time.perf_counter() - t
 
 
 @torch.inference_mode()
@@ -215,15 +229,7 @@ def decode(rows: Rows, forward: Forward, drafters, policy, *, prompt_mask: torch
     for b in rows.active:
         drafters[b].extend(rows.ids[b, :P][mask[b].to(rows.ids.device)])
     stats.prefill_s += time.perf_counter() - t_start
-    t = time.perf_counter()
-    active = list(rows.active)
-    alive, committed = commit(rows, verified, stops, streamer, record)
-    stats.commit_s += time.perf_counter() - t
-    for b, tokens in zip(active, committed):
-        drafters[b].extend(tokens)
-    rows.active = [rows.active[i] for i in alive]
-    if alive and len(alive) < len(verified):
-        forward.keep_rows(alive)
+    _drop_finished(rows, forward, _commit_and_feed(rows, verified, drafters, stops, stats, streamer, record))
 
     row_steps = [0] * rows.ids.shape[0]
     while rows.active:

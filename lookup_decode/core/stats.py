@@ -10,7 +10,7 @@ draft), so mean accepted length counts it too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from itertools import zip_longest
 from typing import NamedTuple
 
@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit
 
 CALIBRATION_BINS = 10                   # equal-width bins of predicted probability over [0, 1]
+CALIBRATION_MIN_TOKENS = 50             # a bin with fewer tokens is too noisy to judge (`Calibration.error`)
 
 
 class CalibrationRow(NamedTuple):
@@ -76,11 +77,11 @@ class Calibration:
         return [CalibrationRow(i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS, int(n), predicted[i] / n,
                                kept[i] / n) for i, n in enumerate(tokens) if n]
 
-    def error(self, min_tokens: int = 50) -> float:
+    def error(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> float:
         """The largest |mean predicted - share kept| over the bins holding at least min_tokens (0 when none)."""
         return max((abs(r.predicted - r.kept) for r in self.rows() if r.tokens >= min_tokens), default=0.0)
 
-    def summary(self, min_tokens: int = 50) -> str:
+    def summary(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> str:
         """One line: predicted -> kept per bin, and the largest gap over bins of >= min_tokens tokens."""
         rows = self.rows()
         bins = ", ".join(f"{r.predicted:.2f}->{r.kept:.2f} ({r.tokens})" for r in rows)
@@ -175,9 +176,9 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         """Add another call's counts (e.g. across the prompts of a benchmark)."""
-        for name in ("prompt_tokens", "new_tokens", "forwards", "steps", "drafted", "accepted", "tree_steps",
-                     "off_chain", "prefill_s", "model_s", "proposer_s", "commit_s", "total_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for f in fields(self):          # every count and time (the annotations are strings here)
+            if f.type in ("int", "float") and f.name != "keep_steps":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.draft_lengths.extend(other.draft_lengths)
         self.accepted_lengths.extend(other.accepted_lengths)
         self.reliability.merge(other.reliability)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from lookup_decode.core import automaton as K
-from lookup_decode.core.config import check_match
+from lookup_decode.core.config import check_int, check_match
 from lookup_decode.core.draft import Draft
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
@@ -67,10 +67,7 @@ class Corpus:
     kind = "corpus"
 
     def __init__(self, *, vocab_size: int | None = None):
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
-                                       or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
-        self.vocab_size = vocab_size
+        self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, 1)
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}   # in index order
         self._index = SuffixIndex(min_match=1, max_match=2**31 - 1)
@@ -131,8 +128,7 @@ class Corpus:
         return arr
 
     def _append(self, entry: Entry) -> None:
-        entry.start = len(self._index)
-        self._index.extend(np.append(entry.tokens, np.int32(SEPARATOR)))
+        (entry.start,) = extend_index(self._index, [entry])
         self._entries[entry.key] = entry
         self._starts.append(entry.start)
         self._keys.append(entry.key)
@@ -244,9 +240,16 @@ def extend_index(index: SuffixIndex, entries: list[Entry]) -> list[int]:
     return (base + np.concatenate([[0], np.cumsum([e.tokens.size + 1 for e in entries])[:-1]])).tolist()
 
 
-def eviction_order(entries: list[Entry]) -> list[Entry]:
-    """Least recently useful first: oldest last use, then fewer accepted draft tokens, then older entry."""
-    return sorted(entries, key=lambda e: (e.last_used, e.accepted, e.added))
+def least_useful(entries, budget: int) -> list:
+    """The keys of the entries to drop until at most `budget` of their tokens remain, least recently useful first:
+    oldest last use, then fewer accepted draft tokens, then older entry."""
+    held, gone = sum(e.tokens.size for e in entries), []
+    for e in sorted(entries, key=lambda e: (e.last_used, e.accepted, e.added)):
+        if held <= budget:
+            break
+        gone.append(e.key)
+        held -= e.tokens.size
+    return gone
 
 
 _MEMBERS = {"header.npy", "tokens.npy", "lengths.npy"}

@@ -22,21 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from lookup_decode.core.config import check_int
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.sources.corpus import Corpus, Entry, eviction_order, extend_index
+from lookup_decode.sources.corpus import Corpus, Entry, extend_index, least_useful
 
 # After an eviction the memory holds at most this share of its bound, so the O(bound) rebuild of
 # the index happens at most once per bound / 4 tokens stored: amortized <= 4 index inserts per token.
 LOW_WATER = 0.75
 HIGH_WATER = 0.875   # `evict_aside` evicts once the memory holds more than this share of its bound
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1 token, got {value}")
-    return int(value)
 
 
 class Memory(Corpus):
@@ -61,7 +54,7 @@ class Memory(Corpus):
 
     def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
-        self.max_tokens = _positive_int(max_tokens, "memory max_tokens")
+        self.max_tokens = check_int("memory max_tokens", max_tokens, 1)
         if not isinstance(remember_prompts, bool):
             raise TypeError(f"remember_prompts must be True or False, got {remember_prompts!r}")
         self.remember_prompts = remember_prompts
@@ -113,13 +106,7 @@ class Memory(Corpus):
 
     def _least_useful(self, budget: int) -> list[str]:
         """The keys `_evict(budget)` drops, in eviction order (caller holds the lock)."""
-        held, gone = self._n_tokens, []
-        for e in eviction_order(self._entries.values()):
-            if held <= budget:
-                break
-            gone.append(e.key)
-            held -= e.tokens.size
-        return gone
+        return least_useful(self._entries.values(), budget)
 
     def evict_aside(self) -> int:
         """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
@@ -150,23 +137,15 @@ class Memory(Corpus):
     def _load_keep(self, header: dict, lengths) -> list[bool]:
         """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
         metadata first, so a large file never gets indexed whole just to be cut down."""
-        keep = [True] * len(lengths)
-        held = sum(int(n) for n in lengths)
-        if held <= self.max_tokens:
-            return keep
-        saved = [Entry(i, lengths[i:i + 1], added=header["added"][i], last_used=header["last_used"][i],
-                       accepted=header["accepted"][i]) for i in range(len(lengths))]
-        for e in eviction_order(saved):
-            if held <= int(LOW_WATER * self.max_tokens):
-                break
-            keep[e.key] = False
-            held -= int(lengths[e.key])
-            self.evicted += 1
-        return keep
-
-    def clear(self) -> None:
-        with self._lock:
-            self._remove(list(self._entries))
+        if sum(int(n) for n in lengths) <= self.max_tokens:
+            return [True] * len(lengths)
+        # Entries of the right sizes that share one buffer: no token is read before the choice.
+        sizes = np.empty(int(max(lengths)), np.int32)
+        saved = [Entry(i, sizes[:int(n)], added=header["added"][i], last_used=header["last_used"][i],
+                       accepted=header["accepted"][i]) for i, n in enumerate(lengths)]
+        gone = set(least_useful(saved, int(LOW_WATER * self.max_tokens)))
+        self.evicted += len(gone)
+        return [i not in gone for i in range(len(lengths))]
 
     def snapshot(self) -> "Memory":
         """A copy of the entries without an index (O(entries): the token arrays are shared, never written), for
@@ -194,7 +173,7 @@ class References(Corpus):
 
     def __init__(self, *, max_tokens: int | None = None, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
-        self.max_tokens = None if max_tokens is None else _positive_int(max_tokens, "references max_tokens")
+        self.max_tokens = None if max_tokens is None else check_int("references max_tokens", max_tokens, 1)
 
     def _settings(self) -> dict:
         return {"max_tokens": self.max_tokens, "vocab_size": self.vocab_size}
@@ -230,11 +209,6 @@ class References(Corpus):
             self.clock += 1
             self._append(Entry(name, arr, added=self.clock, last_used=self.clock))
         return int(arr.size)
-
-    def register_files(self, paths, tokenizer, *, replace: bool = False) -> int:
-        """Register text files under their path names; returns the total tokens registered."""
-        return sum(self.register(str(p), Path(p).read_text(encoding="utf-8"), tokenizer=tokenizer, replace=replace)
-                   for p in paths)
 
     def remove(self, *names: str) -> None:
         """Remove documents by name (KeyError naming the first unknown one; then nothing is removed)."""

@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, corpus_thresholds
+from lookup_decode.core.config import corpus_thresholds
 from lookup_decode.core.draft import Draft, choose_source, kept_prefix
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.sources.corpus import Corpus, Cursor
@@ -44,10 +44,9 @@ class SourcesProposer:
     """
 
     def __init__(self, request, corpora: list[tuple[str, Corpus]], *, min_match: int = 1, max_match: int = 64,
-                 eos_token_ids=(), corpus_min_match: int = CORPUS_MIN_MATCH, alone_min_match: int = ALONE_MIN_MATCH,
-                 resync_window: int = 64):
+                 eos_token_ids=(), resync_window: int = 64):
         self.names = [REQUEST] + [name for name, _ in corpora]
-        self.corpus_min_match, alone = corpus_thresholds(min_match, max_match, corpus_min_match, alone_min_match)
+        self.corpus_min_match, alone = corpus_thresholds(min_match, max_match)
         # The prediction's cursor re-synchronises after an edit, as the request's own index does (resync_window).
         self.sources = [request] + [c.cursor(min_match=alone, max_match=max_match, eos_token_ids=eos_token_ids,
                                              window=resync_window if name == PREDICTION else 0) for name, c in corpora]

@@ -18,6 +18,7 @@ from collections import Counter
 
 import numpy as np
 
+from lookup_decode.core.config import check_int
 from lookup_decode.core.draft import Draft
 from lookup_decode.core.index import SuffixIndex
 
@@ -87,10 +88,8 @@ class TreeProposer(SuffixIndex):
     """
 
     def __init__(self, tokens=(), *, width: int = 2, **index_kw):
-        if int(width) < 1:
-            raise ValueError(f"width (branches per tree) must be >= 1, got {width}")
+        self.width = check_int("width (branches per tree)", width, 1)
         super().__init__(tokens, **index_kw)
-        self.width = int(width)
 
     def propose(self, max_tokens: int) -> Draft:
         chain = super().propose(max_tokens)

@@ -115,8 +115,8 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
         pending.sort(key=lambda item: item["max_new_tokens"] or job.max_new_tokens)
         from tqdm import tqdm
         bar = tqdm(total=len(pending), unit="rec", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-
-        def emit(record: dict) -> None:
+        results = _run_ray(job, pending, ray_address, actors, ray_init) if use_ray else _run_local(job, pending)
+        for record in results if pending else ():
             if output.write(record):
                 summary.add(record)
             bar.update(1)
@@ -125,11 +125,6 @@ def run(job: Job, input_path, output_path, *, use_ray: bool = False, ray_address
             if summary.steps:
                 post["acc"] = f"{summary.mean_accepted_length:.2f}"
             bar.set_postfix(post, refresh=False)
-
-        if pending:
-            results = _run_ray(job, pending, ray_address, actors, ray_init) if use_ray else _run_local(job, pending)
-            for record in results:
-                emit(record)
         bar.close()
     finally:
         output.close()

@@ -122,31 +122,27 @@ def crop(cache, n_remove: int) -> None:
     cache.crop(-n_remove)
 
 
+def full_attention(cache, model) -> bool:
+    """True when every layer is a full-attention DynamicLayer: the only caches a tree's 4-D mask and
+    `keep_tree_path` are exact on (a sliding window would be ignored by the mask; a conv layer would
+    read the tree's nodes as one sequence), and the only ones a batch's hole columns fit (`check_batchable`)."""
+    if isinstance(cache, EncoderDecoderCache) or not isinstance(cache, DynamicCache):
+        return False
+    windowed = getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True)
+    return not windowed and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def check_batchable(cache, model) -> None:
     """Batches keep masked hole columns (forward.BatchForward): only full-attention DynamicLayers index keys by column.
 
     A sliding window counts columns, not a row's own tokens, and an encoder-decoder or static cache
     has its own layout, so these raise UnsupportedCacheError for batch > 1 (one row at a time works).
     """
-    name = f"{type(model).__name__} with {type(cache).__name__}"
-    if getattr(model.config, "is_encoder_decoder", False) or not isinstance(cache, DynamicCache):
-        raise UnsupportedCacheError(f"{name}: batched lookup decoding supports decoder-only models with a "
-                                    "DynamicCache; generate one row at a time")
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer or getattr(model.config, "sliding_window", None) and \
-                getattr(model.config, "use_sliding_window", True):
-            raise UnsupportedCacheError(f"{name}: batched lookup decoding needs full-attention layers (got "
-                                        f"{type(layer).__name__}); generate one row at a time")
-
-
-def full_attention(cache, model) -> bool:
-    """True when every layer is a full-attention DynamicLayer: the only caches a tree's 4-D mask and
-    `keep_tree_path` are exact on (a sliding window would be ignored by the mask; a conv layer would
-    read the tree's nodes as one sequence)."""
-    if isinstance(cache, EncoderDecoderCache) or not isinstance(cache, DynamicCache):
-        return False
-    windowed = getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True)
-    return not windowed and all(type(layer) is DynamicLayer for layer in cache.layers)
+    if getattr(model.config, "is_encoder_decoder", False) or not full_attention(cache, model):
+        layers = ", ".join(sorted({type(layer).__name__ for layer in getattr(cache, "layers", [])}))
+        raise UnsupportedCacheError(f"{type(model).__name__} with {type(cache).__name__}: batched lookup decoding "
+                                    f"needs a decoder-only model whose DynamicCache has full-attention layers only "
+                                    f"(got {layers or 'none'}); generate one row at a time")
 
 
 def compact(cache, mask: torch.Tensor) -> torch.Tensor:

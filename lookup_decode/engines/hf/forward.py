@@ -19,14 +19,12 @@ compiled forwards), `learns_cost` that its time is a real forward's.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
 
 import numpy as np
 import torch
 
-from lookup_decode.core.cost import timed
+from lookup_decode.core.cost import MIN_CALIBRATED, timed
 from lookup_decode.core.draft import EMPTY
 from lookup_decode.core.forward import Verified
 from lookup_decode.core.policy import BUCKETS
@@ -141,16 +139,14 @@ class SequenceForward(_Model):
         last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
 
         def seconds_of(n):
-            elapsed = timed(last.device, lambda: self(last.expand(1, n), 1))
-            crop(self.cache, n)
-            return elapsed
+            return timed_then_cropped(self.cache, n, last.device, lambda: self(last.expand(1, n), 1))
         sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
             room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
             if room < 1:
                 return None                     # a full static cache: no forward can follow (nor be timed)
             fit = min(fit, room)
-            sizes = [b for b in BUCKETS if b <= min(max(k + 1, 33), room)]
+            sizes = [b for b in BUCKETS if b <= min(max(k + 1, MIN_CALIBRATED), room)]
         return costs.curve(self.model, k + 1, seconds_of, bucketed=self.bucketed, sizes=sizes, fit=fit)
 
     def verify(self, rows, drafts):
@@ -204,16 +200,15 @@ class BatchForward(_Model):
 
     def calibrate(self, rows, costs, k: int):
         """The cost curve of widths 1..k+1 for this batch's rows (measured now if not yet known)."""
-        rows_, last = rows, rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
-        rows = last.shape[0]
+        last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
+        n = last.shape[0]
 
         def seconds_of(w):
-            cols = torch.ones((rows, w), dtype=torch.bool, device=last.device)
+            cols = torch.ones((n, w), dtype=torch.bool, device=last.device)
             pos = self.positions[:, None] + torch.arange(w, device=last.device)
-            elapsed = timed(last.device, lambda: self(last.expand(rows, w), torch.cat([self.mask, cols], 1), pos, w))
-            crop(self.cache, w)
-            return elapsed
-        return costs.curve(self.model, k + 1, seconds_of, rows=rows, fit=widest_forward(self.model, rows_))
+            return timed_then_cropped(self.cache, w, last.device,
+                                      lambda: self(last.expand(n, w), torch.cat([self.mask, cols], 1), pos, w))
+        return costs.curve(self.model, k + 1, seconds_of, rows=n, fit=widest_forward(self.model, rows))
 
     def verify(self, rows, drafts):
         device = rows.ids.device
@@ -295,30 +290,24 @@ def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: f
         return                                    # cannot estimate: let it run
     if available_bytes is None:
         available_bytes = _free_memory(next(model.parameters()).device)
-    if available_bytes is not None and need > available_bytes:
+    if need > available_bytes:
         raise ValueError(
             f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and "
             f"logits for {type(model).__name__}, but only {available_bytes / 2**30:.1f} GiB is free; use a smaller "
             f"batch or fewer max_new_tokens")
 
 
-def _free_memory(device: torch.device) -> int | None:
+def _free_memory(device: torch.device) -> int:
     """Bytes this process can still allocate on `device`.
 
     CUDA: the driver's free memory plus what torch's caching allocator holds reserved but unused (it
-    reuses that first). CPU: MemAvailable, which counts the page cache the kernel gives back on demand
-    (free pages alone, SC_AVPHYS_PAGES, refused batches that fit)."""
+    reuses that first). CPU: psutil's available memory (Linux's MemAvailable), which counts the page cache the
+    kernel gives back on demand (free pages alone, SC_AVPHYS_PAGES, refused batches that fit)."""
     if device.type == "cuda":
         reusable = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(reusable, 0)
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    import psutil  # accelerate's dependency
+    return psutil.virtual_memory().available
 
 
 def measure_forward_cost(model, context_ids, sizes, repeats: int = 3) -> list[float]:
@@ -333,9 +322,15 @@ def measure_forward_cost(model, context_ids, sizes, repeats: int = 3) -> list[fl
         model(input_ids=context_ids, **{arg: cache}, use_cache=True)
         for n in sizes:
             ids = context_ids[:, -n:] if n <= context_ids.shape[1] else context_ids[:, -1:].expand(1, n)
-            times = []
-            for _ in range(repeats):
-                times.append(timed(context_ids.device, lambda: model(input_ids=ids, **{arg: cache}, use_cache=True)))
-                crop(cache, n)
-            out.append(float(np.median(times)))
+
+            def forward():
+                return model(input_ids=ids, **{arg: cache}, use_cache=True)
+            out.append(float(np.median([timed_then_cropped(cache, n, ids.device, forward) for _ in range(repeats)])))
     return out
+
+
+def timed_then_cropped(cache, n: int, device, forward) -> float:
+    """Seconds of `forward()`, a timing forward that adds n tokens to `cache`; they leave it again after."""
+    elapsed = timed(device, forward)
+    crop(cache, n)
+    return elapsed

@@ -66,7 +66,7 @@ def _check_request(model, input_ids, generation_config, model_kwargs) -> None:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-    if not getattr(model.config, "is_encoder_decoder", False):  # else the mask is the encoder input's
+    if not encdec.is_encoder_decoder(model):  # else the mask is the encoder input's
         _check_attention_mask(model_kwargs.get("attention_mask"), input_ids)
     vocab = vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
@@ -128,11 +128,6 @@ class _Call:
     tokenizer: object = None       # reads a text prediction
 
 
-def _stops(stopping_criteria):
-    """transformers' stopping criteria as the step's stop rule: asked after every emitted token."""
-    return partial(first_stops, stopping_criteria) if stopping_criteria else None
-
-
 def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     """One drafter per row: the caller's proposer(s), else a SuffixIndex (with memory/references if given)."""
     proposer, options = call.proposer, call.options
@@ -190,37 +185,26 @@ def _policy(k: int, generation_config, model) -> DraftPolicy:
     return DraftPolicy(k, temperature=t, counts=counts)
 
 
-def _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call: _Call,
-                cache, model_kwargs):
-    """Batches (or a left-padded row): one drafter per row, ragged acceptance (see forward.BatchForward)."""
-    B, options = input_ids.shape[0], call.options
+def _batch_forward(model, input_ids, logits_processor, generation_config, streamer, call: _Call, cache,
+                   model_kwargs):
+    """Batches (or a left-padded row): (BatchForward, pad token id, bool prompt mask [B, P]); ragged acceptance,
+    see forward.BatchForward."""
+    options = call.options
     _check_streamer(streamer, input_ids)
     check_batchable(cache, model)
     if generation_config.return_dict_in_generate and (generation_config.output_scores
                                                       or generation_config.output_logits):
         raise ValueError("output_scores/output_logits are not supported for batches yet; generate rows one by one")
-    drafters = _drafters(model, call, generation_config, B)
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"{type(model).__name__}.forward takes no position_ids; batched lookup decoding needs them")
-    check_batch_memory(model, B, generation_config.max_length, options.k, options.hole_share, options.min_holes)
+    check_batch_memory(model, input_ids.shape[0], generation_config.max_length, options.k, options.hole_share,
+                       options.min_holes)
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
-    do_sample = bool(generation_config.do_sample)
-    forward = BatchForward(model, cache, logits_processor, mask, do_sample=do_sample, generator=call.generator,
-                           rules=call.rules, hole_share=options.hole_share, min_holes=options.min_holes)
-    rows = Rows.start(input_ids, generation_config.max_length, pad_token_id=_pad_token_id(generation_config),
-                      do_sample=do_sample, generator=call.generator)
-    sequences = decode(rows, forward, drafters, _policy(options.k, generation_config, model),
-                       prompt_mask=mask.to(torch.bool), stops=_stops(stopping_criteria), stats=call.stats,
-                       adaptive=options.adaptive, costs=call.costs)
-    P, eos = input_ids.shape[1], eos_ids(generation_config)
-    for b in range(B if call.sources else 0):  # the memory stores each row's output (up to its EOS)
-        for _, corpus in call.sources:
-            corpus.remember(input_ids[b][mask[b] == 1], trim_at_eos(sequences[b, P:], eos))
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    # No cache: its columns hold holes and finished rows left it, so generate could not continue from it.
-    return GenerateDecoderOnlyOutput(sequences=sequences)
+    forward = BatchForward(model, cache, logits_processor, mask, do_sample=bool(generation_config.do_sample),
+                           generator=call.generator, rules=call.rules, hole_share=options.hole_share,
+                           min_holes=options.min_holes)
+    return forward, _pad_token_id(generation_config), mask.to(torch.bool)
 
 
 def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call: _Call,
@@ -232,33 +216,41 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     check_croppable(cache, model)
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
+    do_sample, source, mask, pad, record = bool(generation_config.do_sample), None, None, 0, None
     if _is_batched(model, input_ids, model_kwargs):
-        return _batch_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, call,
-                           cache, model_kwargs)
-    source, input_name, extra = None, "input_ids", None
-    if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
-        encdec.check_proposer(model, call.proposer)
-        source = encdec.source_ids(model, inputs_tensor, model_kwargs)
-        input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
-    do_sample = bool(generation_config.do_sample)
-    forward = SequenceForward(model, cache, logits_processor, do_sample=do_sample, generator=call.generator,
-                              rules=call.rules, input_name=input_name, extra=extra)
-    drafters = _drafters(model, call, generation_config, 1)
+        forward, pad, mask = _batch_forward(model, input_ids, logits_processor, generation_config, streamer, call,
+                                            cache, model_kwargs)
+    else:
+        input_name, extra = "input_ids", None
+        if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
+            encdec.check_proposer(model, call.proposer)
+            source = encdec.source_ids(model, inputs_tensor, model_kwargs)
+            input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
+        forward = SequenceForward(model, cache, logits_processor, do_sample=do_sample, generator=call.generator,
+                                  rules=call.rules, input_name=input_name, extra=extra)
+        record = Recorded() if generation_config.return_dict_in_generate else None
+    drafters = _drafters(model, call, generation_config, input_ids.shape[0])
     if source is not None:
         drafters[0].extend(source[0])
-    record = Recorded() if generation_config.return_dict_in_generate else None
-    rows = Rows.start(input_ids, generation_config.max_length, do_sample=do_sample, generator=call.generator)
+    rows = Rows.start(input_ids, generation_config.max_length, pad_token_id=pad, do_sample=do_sample,
+                      generator=call.generator)
+    # transformers' stopping criteria as the step's stop rule: asked after every emitted token
+    stops = partial(first_stops, stopping_criteria) if stopping_criteria else None
     try:
         sequences = decode(rows, forward, drafters, _policy(call.options.k, generation_config, model),
-                           stops=_stops(stopping_criteria), stats=call.stats, streamer=streamer, record=record,
+                           prompt_mask=mask, stops=stops, stats=call.stats, streamer=streamer, record=record,
                            adaptive=call.options.adaptive, costs=call.costs)
     finally:  # on every way out (an error, Ctrl-C): a TextIteratorStreamer's reader would otherwise wait forever
         if streamer is not None:
             streamer.end()
-    for _, corpus in call.sources:  # the memory stores this output for later requests
-        corpus.remember(input_ids[0], sequences[0, input_ids.shape[1]:])
+    P, eos = input_ids.shape[1], eos_ids(generation_config)
+    for b in range(input_ids.shape[0] if call.sources else 0):  # the memory stores each row's output (to its EOS)
+        for _, corpus in call.sources:
+            corpus.remember(input_ids[b] if mask is None else input_ids[b][mask[b]], trim_at_eos(sequences[b, P:], eos))
     if not generation_config.return_dict_in_generate:
         return sequences
+    if mask is not None:  # no cache: its columns hold holes and finished rows left it, so generate could not go on
+        return GenerateDecoderOnlyOutput(sequences=sequences)
     crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache
     if int(cache.get_seq_length()) > crop_to:
         crop(cache, int(cache.get_seq_length()) - crop_to)
@@ -287,6 +279,8 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
 
     def decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=False, streamer=None, inputs_tensor=None, **model_kwargs):
+        if synced_gpus:
+            raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
         if streamer is None and bound_streamer is not None:
             # transformers put the prompt only into a streamer it was given; this one it never saw.
             streamer = bound_streamer
@@ -343,7 +337,5 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
                                  else StoppingCriteriaList([*stopping_criteria, *extra]))
         return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                               custom_generate=hook, **model_kwargs)
-    if synced_gpus:
-        raise ValueError("lookup_decode does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
-    return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
-                inputs_tensor=inputs_tensor, **model_kwargs)
+    return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                streamer=streamer, inputs_tensor=inputs_tensor, **model_kwargs)

@@ -241,21 +241,19 @@ def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
                                          return_dict=True)["input_ids"]
 
 
-def load_quietly(path=None, threads: int | None = None, dtype: str | torch.dtype = "float32"):
-    """(model, tokenizer) for the command line: the GGUF loader's progress bar is kept off stderr unless
+def load_quietly(path=None, threads: int | None = None, dtype: str | torch.dtype = "float32", *, device: str = "cpu",
+                 prog: str = "lookup-decode"):
+    """(model, tokenizer) for the command line `prog`: the GGUF loader's progress bar is kept off stderr unless
     loading fails; ModelNotFoundError (and a bad dtype) becomes SystemExit with its message."""
     if threads is not None:
         torch.set_num_threads(threads)
-    try:
-        dtype = resolve_dtype(dtype)
-    except ValueError as e:
-        raise SystemExit(f"lookup-decode: {e}")
     captured = io.StringIO()
     try:
+        dtype = resolve_dtype(dtype, device)
         with contextlib.redirect_stderr(captured):
-            return load_model(path, dtype=dtype)
-    except ModelNotFoundError as e:
-        raise SystemExit(f"lookup-decode: {e}")
-    except Exception:
-        sys.stderr.write(captured.getvalue())
+            return load_model(path, dtype=dtype, device=device)
+    except Exception as e:
+        sys.stderr.write(captured.getvalue())       # nothing for a bad path or dtype
+        if isinstance(e, (ModelNotFoundError, ValueError)):
+            raise SystemExit(f"{prog}: {e}") from None
         raise
