@@ -20,6 +20,7 @@ compiled forwards), `learns_cost` that its time is a real forward's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 
@@ -36,6 +37,7 @@ from lookup_decode.engines.hf.cache import (
     compact,
     crop,
     full_attention,
+    has_recurrent_state,
     keep_tree_path,
     new_cache,
     start_rollback,
@@ -133,16 +135,26 @@ class SequenceForward(_Model):
 
     def prefill(self, rows):
         logits = self(rows.ids[:, : rows.cur[0]], 1)
-        start_rollback(self.cache, self.model)      # from here on every forward can be rolled back
+        start_rollback(self.cache, self.model, widest_forward(self.model, rows))   # every forward can roll back
         return [self.accept(rows, 0, EMPTY, logits)]
 
     def calibrate(self, rows, costs, k: int):
         """The model's live cost curve (measured now, after the prompt, if this model has none yet)."""
         last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
 
+        # A recurrent state cannot be cropped back from a whole forward (Jamba's updates the cached state in place
+        # before recording it): time those forwards on a copy of the cache.
+        recurrent = has_recurrent_state(self.cache)
+
         def seconds_of(n):
+            cache = self.cache
+            if recurrent:
+                self.cache = copy.deepcopy(cache)
             elapsed = timed(last.device, lambda: self(last.expand(1, n), 1))
-            crop(self.cache, n)
+            if recurrent:
+                self.cache = cache
+            else:
+                crop(self.cache, n, n, self.model)
             return elapsed
         sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
@@ -177,7 +189,7 @@ class SequenceForward(_Model):
         if self._tree is not None:
             keep_tree_path(self.cache, *self._tree)     # the path holds kept[0] nodes
         else:
-            crop(self.cache, self._drafted - kept[0])
+            crop(self.cache, self._drafted - kept[0], self._drafted + 1, self.model)
 
 
 class BatchForward(_Model):
