@@ -43,6 +43,15 @@ def test_other_draft_model_greedy_is_exact():
     assert stats.drafted > 0
 
 
+def test_a_draft_model_with_a_recurrent_state_is_refused():
+    """Its drafts are cropped one forward at a time, which a recurrent state cannot undo: a clear error."""
+    target = build("llama", seed=2)
+    with pytest.raises(lookup_decode.UnsupportedCacheError, match="draft model with a recurrent state"):
+        target.generate(repetitive_prompt(4), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                        custom_generate=lookup_decode.generate, k=3, adaptive=False,
+                        proposer=DraftModelProposer(build("jamba"), do_sample=False))
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(V, seed=0)

@@ -11,8 +11,10 @@ import pytest
 import tiny_models
 import torch
 from conftest import FlatCosts, lookup_generate, repetitive_prompt
+from transformers.cache_utils import DynamicCache
 
 from lookup_decode import DecodeStats, UnsupportedCacheError
+from lookup_decode.engines.hf.cache import RECORDS_RECURRENT
 
 N_NEW = 40
 
@@ -96,7 +98,29 @@ def test_windowed_cache_is_used_and_stays_bounded(name):
 
 @pytest.mark.parametrize("name, layer", [("mamba", "LinearAttentionLayer"), ("jamba", "LinearAttentionLayer")])
 def test_recurrent_state_refused(name, layer):
+    """Before transformers 5.25 a recurrent state cannot be rolled back; a model with no attention layer at all
+    (Mamba) is refused on every version."""
+    if name == "jamba" and RECORDS_RECURRENT:
+        pytest.skip("transformers >= 5.25 records Jamba's recurrent states: test_recurrent_state_rolled_back")
     model = tiny_models.build(name)
     cls = type(model).__name__
     with pytest.raises(UnsupportedCacheError, match=f"{cls} with DynamicCache: layer cache {layer}"):
         lookup(model, repetitive_prompt(0, length=16), DecodeStats(), n_new=8)
+
+
+@pytest.mark.skipif(not RECORDS_RECURRENT, reason="transformers < 5.25 records no recurrent states")
+@pytest.mark.parametrize("options", [dict(k=8, adaptive=False), dict(costs=FlatCosts())], ids=["k8", "defaults"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recurrent_state_rolled_back(seed, options):
+    """Jamba (Mamba layers beside attention): every rejected draft puts the recurrent state back exactly."""
+    _, stats = check_family("jamba", repetitive_prompt(seed, length=16), n_new=48, **options)
+    assert stats.accepted < stats.drafted       # some drafts were rejected: rollbacks were exercised
+
+
+@pytest.mark.skipif(not RECORDS_RECURRENT, reason="transformers < 5.25 records no recurrent states")
+def test_a_forward_that_records_no_states_is_refused(monkeypatch):
+    """A model whose forward ignores the recording (Zamba's in 5.25) would be put back to a wrong state: refused."""
+    model = tiny_models.build("jamba")
+    monkeypatch.setattr(DynamicCache, "get_recurrent_states_to_keep", lambda self, layer_idx=None: 0)
+    with pytest.raises(UnsupportedCacheError, match="did not record the recurrent states"):
+        lookup(model, repetitive_prompt(0, length=16), DecodeStats(), n_new=8, k=8, adaptive=False)

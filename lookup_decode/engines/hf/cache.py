@@ -11,8 +11,13 @@ Rejected draft tokens leave their states at the end of the cache; `crop` removes
   linear-attention layers: after the prefill `start_rollback` turns on transformers' past recording,
   so a verify forward keeps the states it would evict until `crop` has dropped the rejected tokens
   and shrunk the layer back to its window (the mechanism transformers' own assisted decoding uses).
-* Refused with UnsupportedCacheError naming model class and layer type: recurrent (SSM / linear
-  attention) states, quantized layers, static sliding-window layers longer than their window.
+* Recurrent (SSM / linear attention) states, transformers >= 5.25: the same recording, told to keep the
+  state after each token of a forward (`recurrent_states_to_keep`), so `crop` restores the state before
+  the rejected tokens (Jamba, Bamba, Falcon-H1, Qwen3-Next, ... alongside attention layers). A model
+  whose forward records no such states (Zamba in 5.25) is refused at its first rollback.
+* Refused with UnsupportedCacheError naming model class and layer type: recurrent states before
+  transformers 5.25 and in models with no attention layer at all, quantized layers, static
+  sliding-window layers longer than their window.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ try:
 except ImportError:     # transformers 4.56-4.57: no such layers, and no `is_croppable` (see _is_croppable)
     class LinearAttentionCacheLayerMixin:
         """Stands in for the layer type transformers 4.56-4.57 lack: no layer is one."""
+
+
+# transformers >= 5.25 records a recurrent layer's per-token states for rollback when asked how many to keep.
+RECORDS_RECURRENT = "recurrent_states_to_keep" in inspect.signature(
+    getattr(LinearAttentionCacheLayerMixin, "activate_past_recording", lambda: None)).parameters
 
 
 class UnsupportedCacheError(ValueError):
@@ -91,17 +101,32 @@ def check_croppable(cache, model) -> None:
             f"are not rolled back exactly yet; the default dynamic cache works (drop cache_implementation='static')")
 
 
-def start_rollback(cache, model) -> None:
-    """After the prefill: check every layer can roll back, then make windowed layers keep their past.
+def start_rollback(cache, model, width: int = 1) -> None:
+    """After the prefill: check every layer can roll back, then make windowed and recurrent layers keep their past.
 
-    Recording starts only now so a long prompt does not keep states a sliding-window layer would drop
-    (transformers' generate does the same, for the same memory reason).
+    width: the most tokens a later forward holds. A recurrent layer then records the state after each of them
+    (and computes them one token at a time, from the cached state: Jamba's multi-token scan would start from
+    zeros), so `crop` can restore the state before any number of them. Recording starts only now so a long
+    prompt does not keep states a sliding-window layer would drop (transformers' generate does the same).
     """
     bad = [type(layer).__name__ for layer in _layers(cache) if not _is_croppable(layer)]
     if bad:
         raise _refuse(cache, model, bad)
-    if hasattr(cache, "activate_past_recording"):   # transformers 4.x: only full-attention DynamicLayers get here
+    if not hasattr(cache, "activate_past_recording"):   # transformers 4.x: only full-attention DynamicLayers get here
+        return
+    if not RECORDS_RECURRENT:
         cache.activate_past_recording()
+        return
+    cache.activate_past_recording(recurrent_states_to_keep=width)
+    for layer in _layers(cache):                # 5.25 gives every state of a layer one shared history list
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.recurrent_states_history = {i: [] for i in layer.recurrent_states_history}
+
+
+def has_recurrent_state(cache) -> bool:
+    """True when a layer holds a recurrent state (transformers >= 5.25 rolls it back, `start_rollback`)."""
+    return any(isinstance(layer, LinearAttentionCacheLayerMixin) and any(layer.is_recurrent_states_initialized.values())
+               for layer in _layers(cache))
 
 
 def _is_croppable(layer) -> bool:
@@ -110,15 +135,25 @@ def _is_croppable(layer) -> bool:
     return type(layer) is DynamicLayer if croppable is None else bool(croppable)
 
 
-def crop(cache, n_remove: int) -> None:
-    """Drop the newest `n_remove` tokens from every layer.
+def crop(cache, n_remove: int, width: int | None = None, model=None) -> None:
+    """Drop the newest `n_remove` tokens from every layer; width: the tokens of the forward since the last crop.
 
     Called for 0 too: sliding-window and conv layers recording their past shrink back to their window.
+    A recurrent layer must hold one recorded state per token of that forward (the state before it, then
+    after each but the last); a model whose forward recorded fewer would be put back to a wrong state.
     """
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache   # its crop() refuses static caches; the cross-attention part never changes
     if n_remove == 0 and not hasattr(cache, "activate_past_recording"):
         return                               # transformers 4.x reads crop(-0) as crop(0): empty the cache
+    if width is not None:
+        short = [type(layer).__name__ for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+                 for i, states in getattr(layer, "recurrent_states_history", {}).items()
+                 if layer.is_recurrent_states_initialized[i] and len(states) != width]
+        if short:
+            raise UnsupportedCacheError(f"{type(model).__name__}: layer cache {short[0]} did not record the recurrent "
+                                        f"states of its last forward, so rejected draft tokens cannot be rolled back "
+                                        f"exactly; use plain model.generate for this model")
     cache.crop(-n_remove)
 
 

@@ -14,7 +14,15 @@ import torch
 
 from lookup_decode.core.draft import Draft
 from lookup_decode.core.tokens import as_token_array
-from lookup_decode.engines.hf.cache import cache_argument, check_croppable, crop, new_cache
+from lookup_decode.engines.hf.cache import (
+    RECORDS_RECURRENT,
+    UnsupportedCacheError,
+    cache_argument,
+    check_croppable,
+    crop,
+    has_recurrent_state,
+    new_cache,
+)
 
 
 class DraftModelProposer:
@@ -37,7 +45,8 @@ class DraftModelProposer:
         self.device = next(draft_model.parameters()).device
         self.cache = new_cache(draft_model)
         check_croppable(self.cache, draft_model)
-        self.cache.activate_past_recording()   # sliding-window layers keep what speculative tokens evict
+        # sliding-window layers keep what speculative tokens evict; recurrent states are refused (propose)
+        self.cache.activate_past_recording(**({"recurrent_states_to_keep": 0} if RECORDS_RECURRENT else {}))
         self._cache_arg = cache_argument(draft_model)
         self.tokens: list[int] = []      # every accepted token, prompt included
 
@@ -68,6 +77,9 @@ class DraftModelProposer:
             return Draft(np.zeros(0, np.int32))
         cached = self.cache.get_seq_length()
         logits = self._forward(self.tokens[cached:])          # bring the cache up to every accepted token
+        if has_recurrent_state(self.cache):
+            raise UnsupportedCacheError(f"{type(self.model).__name__}: a draft model with a recurrent state cannot "
+                                        "roll its drafts back; use a draft model with attention layers only")
         draft, rows = [], []
         for _ in range(max_tokens):
             q = torch.softmax(logits / self.temperature, -1)

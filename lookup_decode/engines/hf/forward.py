@@ -19,6 +19,7 @@ compiled forwards), `learns_cost` that its time is a real forward's.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import numpy as np
@@ -34,6 +35,7 @@ from lookup_decode.engines.hf.cache import (
     compact,
     crop,
     full_attention,
+    has_recurrent_state,
     keep_tree_path,
     new_cache,
     start_rollback,
@@ -131,15 +133,25 @@ class SequenceForward(_Model):
 
     def prefill(self, rows):
         logits = self(rows.ids[:, : rows.cur[0]], 1)
-        start_rollback(self.cache, self.model)      # from here on every forward can be rolled back
+        start_rollback(self.cache, self.model, widest_forward(self.model, rows))   # every forward can roll back
         return [self.accept(rows, 0, EMPTY, logits)]
 
     def calibrate(self, rows, costs, k: int):
         """The model's live cost curve (measured now, after the prompt, if this model has none yet)."""
         last = rows.ids[:, rows.prompt_len - 1: rows.prompt_len]
 
+        # A recurrent state cannot be cropped back from a whole forward (Jamba's updates the cached state in place
+        # before recording it): time those forwards on a copy of the cache.
+        recurrent = has_recurrent_state(self.cache)
+
         def seconds_of(n):
-            return timed_then_cropped(self.cache, n, last.device, lambda: self(last.expand(1, n), 1))
+            if not recurrent:
+                return timed_then_cropped(self.cache, n, last.device, lambda: self(last.expand(1, n), 1))
+            cache, self.cache = self.cache, copy.deepcopy(self.cache)
+            try:
+                return timed(last.device, lambda: self(last.expand(1, n), 1))
+            finally:
+                self.cache = cache
         sizes, fit = None, widest_forward(self.model, rows)
         if self.bucketed:  # time bucket sizes only, and only those that fit the cache
             room = int(self.cache.get_max_length()) - int(self.cache.get_seq_length())
@@ -173,7 +185,7 @@ class SequenceForward(_Model):
         if self._tree is not None:
             keep_tree_path(self.cache, *self._tree)     # the path holds kept[0] nodes
         else:
-            crop(self.cache, self._drafted - kept[0])
+            crop(self.cache, self._drafted - kept[0], self._drafted + 1, self.model)
 
 
 class BatchForward(_Model):

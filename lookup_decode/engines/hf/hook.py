@@ -31,7 +31,7 @@ from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import eos_ids, trim_at_eos
 from lookup_decode.core.verify import Rules
 from lookup_decode.engines.hf import encdec
-from lookup_decode.engines.hf.cache import check_batchable, check_croppable, crop, new_cache
+from lookup_decode.engines.hf.cache import check_batchable, check_croppable, crop, has_recurrent_state, new_cache
 from lookup_decode.engines.hf.draft_model import DraftModelProposer
 from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, check_batch_memory, vocab_size
 from lookup_decode.engines.hf.stopping import first_stops
@@ -252,7 +252,9 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     if mask is not None:  # no cache: its columns hold holes and finished rows left it, so generate could not go on
         return GenerateDecoderOnlyOutput(sequences=sequences)
     crop_to = sequences.shape[1] - 1  # like plain decoding: the last token never entered the cache
-    if int(cache.get_seq_length()) > crop_to:
+    # A recurrent state (transformers >= 5.25) cannot go back past the last verify's rollback: such a cache keeps
+    # the tokens a stop cut from the output.
+    if int(cache.get_seq_length()) > crop_to and not has_recurrent_state(cache):
         crop(cache, int(cache.get_seq_length()) - crop_to)
     output_class = GenerateEncoderDecoderOutput if source is not None else GenerateDecoderOnlyOutput
     return output_class(sequences=sequences, scores=tuple(record.scores) if generation_config.output_scores else None,
