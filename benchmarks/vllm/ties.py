@@ -29,38 +29,25 @@ from lookup_decode.engines.hf import ties
 from lookup_decode.engines.hf.models import load_model
 
 
-def differences(study: dict) -> list[dict]:
-    """Every (method, cell, repeat, request) whose tokens differ from the reference's, with the prompt's key;
-    cold and again phases alike (an again cell is compared with the cold reference: same requests)."""
-    refs = reference_outputs(study["runs"])
-    out = []
+def classify_all(study: dict, model) -> list[dict]:
+    """Every (method, cell, phase, repeat, request) whose tokens differ from the reference's (an again cell is
+    compared with the cold reference: same requests), with its first difference classified; a (request, output)
+    pair seen before is not recomputed."""
+    refs, seen, rows = reference_outputs(study["runs"]), {}, []
     for run in study["runs"]:
         for c in run.get("cells", []):
             ref = refs.get((c["workload"], c["batch"]), {})
             for i, toks in c["tokens"].items():
-                if i in ref and toks != ref[i]:
-                    out.append({"method": run["method"], "repeat": run["repeat"], "cell": f"{c['workload']}:"
-                                f"{c['batch']}", "phase": c.get("phase", "cold"), "request": i})
-    return out
-
-
-def classify_all(study: dict, model) -> list[dict]:
-    """differences(study), each with its classification; a (request, output) pair seen before is not recomputed."""
-    refs = reference_outputs(study["runs"])
-    tokens = {(r["method"], r["repeat"], f"{c['workload']}:{c['batch']}", c.get("phase", "cold")): c["tokens"]
-              for r in study["runs"] for c in r.get("cells", [])}
-    seen: dict = {}
-    rows = differences(study)
-    for row in rows:
-        workload, batch = row["cell"].rsplit(":", 1)
-        plain = refs[(workload, int(batch))][row["request"]]
-        other = tokens[(row["method"], row["repeat"], row["cell"], row["phase"])][row["request"]]
-        key = (row["request"], tuple(plain), tuple(other))
-        if key not in seen:
-            seen[key] = ties.classify(model, study["prompts"][row["request"]], plain, other)
-        d = seen[key]
-        row.update(position=d.position, plain_token=d.plain, other_token=d.lookup,
-                   gap_1=d.gaps[0], gap_wide=d.gaps[1], near_tie=d.near_tie)
+                if i not in ref or toks == ref[i]:
+                    continue
+                key = (i, tuple(ref[i]), tuple(toks))
+                if key not in seen:
+                    seen[key] = ties.classify(model, study["prompts"][i], ref[i], toks)
+                d = seen[key]
+                rows.append({"method": run["method"], "repeat": run["repeat"], "cell": f"{c['workload']}:{c['batch']}",
+                             "phase": c.get("phase", "cold"), "request": i, "position": d.position,
+                             "plain_token": d.plain, "other_token": d.lookup, "gap_1": d.gaps[0],
+                             "gap_wide": d.gaps[1], "near_tie": d.near_tie})
     return rows
 
 
