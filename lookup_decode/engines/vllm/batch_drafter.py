@@ -35,9 +35,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from numba import njit
 
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.stats import _NO_FLAGS as NO_FLAGS
+from lookup_decode.core.stats import _observe as calibrate
 from lookup_decode.core.step_cost import StepCost
 from lookup_decode.engines.vllm import request_args
 from lookup_decode.engines.vllm.keeper import Keeper
@@ -47,6 +50,31 @@ from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats
 from lookup_decode.sources.memory import Memory, References, prediction_of
 
 log = logging.getLogger("lookup_decode.vllm")
+
+
+@njit(cache=True, nogil=True)
+def _book(slots, kept, credit, lengths, p_kept, sent, p_sent, calibration, out, p_out):
+    """What the engine kept of each row's last sent draft into the calibration table (`Calibration.observe_rows`),
+    and this call's sent lengths and prices recorded per slot, in one call: a call after a model's forward pays
+    for every numpy call it makes. out int64 [>= r, 7], p_out float [>= r, k]: out[j] = (slot, kept, sent, the
+    credit's source, version, position, kept of sent) of the j-th row that learned. Returns (rows that learned,
+    their kept tokens summed, tokens sent now)."""
+    learned, total, drafted = 0, 0, 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if kept[i] >= 0:
+            out[learned, 0], out[learned, 1], out[learned, 2] = s, kept[i], sent[s]
+            out[learned, 3], out[learned, 4], out[learned, 5] = credit[i, 0], credit[i, 1], credit[i, 2]
+            out[learned, 6] = min(kept[i], sent[s])
+            p_out[learned, :] = p_sent[s]
+            learned += 1
+            total += kept[i]
+        drafted += lengths[i]
+        sent[s] = lengths[i]
+        p_sent[s, :] = p_kept[i]
+    if learned:
+        calibrate(calibration, p_out[:learned], out[:learned, 2], NO_FLAGS, out[:learned, 6])
+    return learned, total, drafted
 
 
 class BatchDrafter:
@@ -97,9 +125,13 @@ class BatchDrafter:
         self.records: dict[int, Request] = {}      # slot -> its request's record (requests followed by id)
         self._own: set[int] = set()                 # slots whose record has its own memory or prediction
         self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
+        self._kept, self._p_kept = np.zeros((64, 7), np.int64), np.zeros((64, self.k))   # `_book`'s learned rows
         self._shared = None                         # the shared corpora and the roles of rows reading them
         self._call = 0
         self._last = None                           # when the last call started
+        none = np.zeros(0, np.int64)                # compiled (or loaded) now, not inside an engine step
+        _book(none, none, np.zeros((0, 3), np.int64), none, np.zeros((0, self.k)), self.requests.sent, self._p_sent,
+              self.stats.reliability.table, self._kept, self._p_kept)
 
     # -- one call -------------------------------------------------------------------------------------
     def draft(self, matrix: np.ndarray, counts: np.ndarray, emitted: np.ndarray,
@@ -229,23 +261,26 @@ class BatchDrafter:
     def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None) -> Drafts:
         """What the engine kept of the last drafts learned, this call's lengths chosen and recorded, idle requests
         retired."""
-        table = self.requests
-        self._learned(step, slots)
+        table, r = self.requests, len(rows)
         lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
-        s, sent = self.stats, lengths.tolist()
-        s.rows += len(rows)
-        s.drafted += sum(sent)
-        if self.records:
-            for slot, n in zip(slots.tolist(), sent):
-                if n and slot in self.records:
-                    self.records[slot].stats.drafted += n
-        table.sent[slots] = lengths
         if len(self._p_sent) < self.pool.slots:
             self._p_sent = np.concatenate([self._p_sent, np.zeros((self.pool.slots + 64 - len(self._p_sent), self.k))])
-        self._p_sent[slots] = step.p_kept
+        if len(self._kept) < r:
+            self._kept, self._p_kept = np.zeros((2 * r, 7), np.int64), np.zeros((2 * r, self.k))
+        learned, total, drafted = _book(slots, step.kept, step.credit, lengths, step.p_kept, table.sent, self._p_sent,
+                                        self.stats.reliability.table, self._kept, self._p_kept)
+        s = self.stats
+        s.rows += r
+        s.drafted += drafted
+        if total:
+            self._credit(learned, total)
+        if self.records and drafted:
+            for slot, n in zip(slots.tolist(), lengths.tolist()):
+                if n and slot in self.records:
+                    self.records[slot].stats.drafted += n
         self._last = now
         # A bounded delay; the scan over live requests is O(requests), and finds none while all are in this call.
-        if self._call % self._retire_every == 0 and len(table.live) > len(rows):
+        if self._call % self._retire_every == 0 and len(table.live) > r:
             for slot in table.idle(self._call - self.settings.idle_steps):
                 if engine is None or table.id_of.get(slot) not in engine.held:
                     self._drop(slot, "retired")
@@ -253,27 +288,14 @@ class BatchDrafter:
             self.keeper.reload()
         return Drafts(rows, lengths, step.tokens)
 
-    def _learned(self, step, slots: np.ndarray) -> None:
-        """What the engine kept of the last drafts: statistics, calibration, and credit to the corpus entries
-        drafted from. (Python over a few rows' lists costs less than numpy's masks over them.)"""
-        kept = step.kept.tolist()
-        if max(kept, default=-1) < 0:
-            return
-        sent = self.requests.sent[slots]        # of the tokens sent last call, priced at _p_sent: the prefix kept
-        if min(kept) >= 0:
-            self.stats.reliability.observe_rows(self._p_sent[slots], sent, np.minimum(step.kept, sent))
-        else:
-            learned = step.kept >= 0
-            sl, sent_l = slots[learned], sent[learned]
-            self.stats.reliability.observe_rows(self._p_sent[sl], sent_l, np.minimum(step.kept[learned], sent_l))
-        total = sum(n for n in kept if n > 0)
-        if not total:
-            return
+    def _credit(self, learned: int, total: int) -> None:
+        """The kept draft tokens of the rows `_book` listed: statistics, and credit to the corpus entries drafted
+        from."""
         self.stats.accepted += total
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
         sources, records = self.stats.sources, self.records
-        for s, n, n_sent, (src, version, position) in zip(slots.tolist(), kept, sent.tolist(), step.credit.tolist()):
+        for s, n, n_sent, src, version, position, _ in self._kept[:learned].tolist():
             if n <= 0:
                 continue
             sources[SOURCES[src]] += n
