@@ -213,7 +213,8 @@ class BatchDrafter:
             return None                             # (the general path marks the same slots seen)
         if continued == 0:
             self._observe(verified, prefill, r, now)
-        self._retire_gone(engine, r)
+        if len(table.id_of) > r:
+            self._retire_gone(engine, r)
         if ended:
             self._store_finished(matrix, rows, slots, ends, absent=False)
         corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
