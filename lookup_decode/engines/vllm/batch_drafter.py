@@ -35,12 +35,9 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from numba import njit
 
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.pool import IndexPool
-from lookup_decode.core.stats import _NO_FLAGS as NO_FLAGS
-from lookup_decode.core.stats import _observe as calibrate
 from lookup_decode.core.step_cost import StepCost
 from lookup_decode.engines.vllm import request_args
 from lookup_decode.engines.vllm.keeper import Keeper
@@ -52,29 +49,6 @@ from lookup_decode.sources.memory import Memory, References, prediction_of
 log = logging.getLogger("lookup_decode.vllm")
 
 
-@njit(cache=True, nogil=True)
-def _book(slots, kept, credit, lengths, p_kept, sent, p_sent, calibration, out, p_out):
-    """What the engine kept of each row's last sent draft into the calibration table (`Calibration.observe_rows`),
-    and this call's sent lengths and prices recorded per slot, in one call: a call after a model's forward pays
-    for every numpy call it makes. out int64 [>= r, 7], p_out float [>= r, k]: out[j] = (slot, kept, sent, the
-    credit's source, version, position, kept of sent) of the j-th row that learned. Returns (rows that learned,
-    their kept tokens summed, tokens sent now)."""
-    learned, total, drafted = 0, 0, 0
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        if kept[i] >= 0:
-            out[learned, 0], out[learned, 1], out[learned, 2] = s, kept[i], sent[s]
-            out[learned, 3], out[learned, 4], out[learned, 5] = credit[i, 0], credit[i, 1], credit[i, 2]
-            out[learned, 6] = min(kept[i], sent[s])
-            p_out[learned, :] = p_sent[s]
-            learned += 1
-            total += kept[i]
-        drafted += lengths[i]
-        sent[s] = lengths[i]
-        p_sent[s, :] = p_kept[i]
-    if learned:
-        calibrate(calibration, p_out[:learned], out[:learned, 2], NO_FLAGS, out[:learned, 6])
-    return learned, total, drafted
 
 
 class BatchDrafter:
@@ -124,14 +98,9 @@ class BatchDrafter:
         self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
         self.records: dict[int, Request] = {}      # slot -> its request's record (requests followed by id)
         self._own: set[int] = set()                 # slots whose record has its own memory or prediction
-        self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
-        self._kept, self._p_kept = np.zeros((64, 7), np.int64), np.zeros((64, self.k))   # `_book`'s learned rows
         self._shared = None                         # the shared corpora and the roles of rows reading them
         self._call = 0
         self._last = None                           # when the last call started
-        none = np.zeros(0, np.int64)                # compiled (or loaded) now, not inside an engine step
-        _book(none, none, np.zeros((0, 3), np.int64), none, np.zeros((0, self.k)), self.requests.sent, self._p_sent,
-              self.stats.reliability.table, self._kept, self._p_kept)
 
     # -- one call -------------------------------------------------------------------------------------
     def draft(self, matrix: np.ndarray, counts: np.ndarray, emitted: np.ndarray,
@@ -264,12 +233,7 @@ class BatchDrafter:
         retired."""
         table, r = self.requests, len(rows)
         lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
-        if len(self._p_sent) < self.pool.slots:
-            self._p_sent = np.concatenate([self._p_sent, np.zeros((self.pool.slots + 64 - len(self._p_sent), self.k))])
-        if len(self._kept) < r:
-            self._kept, self._p_kept = np.zeros((2 * r, 7), np.int64), np.zeros((2 * r, self.k))
-        learned, total, drafted = _book(slots, step.kept, step.credit, lengths, step.p_kept, table.sent, self._p_sent,
-                                        self.stats.reliability.table, self._kept, self._p_kept)
+        learned, total, drafted = table.book(slots, lengths, step, self.stats.reliability)
         s = self.stats
         s.rows += r
         s.drafted += drafted
@@ -290,13 +254,13 @@ class BatchDrafter:
         return Drafts(rows, lengths, step.tokens)
 
     def _credit(self, learned: int, total: int) -> None:
-        """The kept draft tokens of the rows `_book` listed: statistics, and credit to the corpus entries drafted
-        from."""
+        """The kept draft tokens of the rows `RequestTable.book` listed: statistics, and credit to the corpus entries
+        drafted from."""
         self.stats.accepted += total
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
         sources, records = self.stats.sources, self.records
-        for s, n, n_sent, src, version, position, _ in self._kept[:learned].tolist():
+        for s, n, n_sent, src, version, position, _ in self.requests.learned[:learned].tolist():
             if n <= 0:
                 continue
             sources[SOURCES[src]] += n
