@@ -71,7 +71,6 @@ def _check_sizes(capture_sizes) -> tuple[int, ...]:
     return sizes
 
 
-
 # The straight-line fit as compiled functions over `StepCost.state` (the sums of _PAIRS, observed, typical): the
 # engine's step calls observe and choose once each, and a compiled call touches less than Python's floats do.
 @njit(cache=True, nogil=True)
@@ -178,6 +177,7 @@ def _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cos
     if prefill and fixed > 0 and extra:
         cost += extra / fixed * prefill
     best_prefix(p_kept, available, cost, out)
+
 
 class StepCost:
     """Seconds of one step of an engine that packs all rows' tokens into one forward (vLLM), fitted online:

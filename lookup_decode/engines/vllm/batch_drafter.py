@@ -260,7 +260,7 @@ class BatchDrafter:
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
         sources, records = self.stats.sources, self.records
-        for s, n, n_sent, src, version, position, _ in self.requests.learned[:learned].tolist():
+        for s, n, n_sent, src, version, position, _ in self.requests.learned[:, :learned].T.tolist():
             if n <= 0:
                 continue
             sources[SOURCES[src]] += n

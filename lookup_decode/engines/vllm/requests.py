@@ -40,13 +40,10 @@ import numpy as np
 from numba import njit
 
 from lookup_decode.core.automaton import N_TOKENS
-from lookup_decode.core.pool import IndexPool, drop_stale_cache
-from lookup_decode.core.stats import _NO_FLAGS as NO_FLAGS
-from lookup_decode.core.stats import _observe as calibrate
+from lookup_decode.core.pool import IndexPool
 from lookup_decode.engines.vllm.stats import RequestStats
 from lookup_decode.sources.memory import Memory, References
 
-drop_stale_cache(__file__, ("core/stats.py",))          # `_book` compiles in the calibration's kernel
 # Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
 # requests that share a long template at both ends (same system prompt, same closing question).
 _HEAD, _TAIL, _SPREAD = 8, 16, 8
@@ -133,25 +130,24 @@ def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot
 
 
 @njit(cache=True, nogil=True)
-def _book(slots, lengths, kept, credit, p_kept, sent, p_sent, calibration, out, p_out):
-    """The kernel of `RequestTable.book`: out int64 [>= r, 7], p_out float [>= r, k] (scratch): out[j] = (slot, kept,
-    sent, the credit's source, version, position, kept of sent) of the j-th row that learned."""
+def _book(slots, lengths, kept, credit, p_kept, sent, p_sent, out, p_out):
+    """The kernel of `RequestTable.book`: out int64 [7, >= r], p_out float [>= r, k] (scratch): out[:, j] = (slot,
+    kept, sent, the credit's source, version, position, kept of sent) of the j-th row that learned."""
     learned, total, drafted = 0, 0, 0
     for i in range(slots.shape[0]):
         s = slots[i]
         if kept[i] >= 0:
-            out[learned, 0], out[learned, 1], out[learned, 2] = s, kept[i], sent[s]
-            out[learned, 3], out[learned, 4], out[learned, 5] = credit[i, 0], credit[i, 1], credit[i, 2]
-            out[learned, 6] = min(kept[i], sent[s])
+            out[0, learned], out[1, learned], out[2, learned] = s, kept[i], sent[s]
+            out[3, learned], out[4, learned], out[5, learned] = credit[i, 0], credit[i, 1], credit[i, 2]
+            out[6, learned] = min(kept[i], sent[s])
             p_out[learned, :] = p_sent[s]
             learned += 1
             total += kept[i]
         drafted += lengths[i]
         sent[s] = lengths[i]
         p_sent[s, :] = p_kept[i]
-    if learned:
-        calibrate(calibration, p_out[:learned], out[:learned, 2], NO_FLAGS, out[:learned, 6])
     return learned, total, drafted
+
 
 def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
     """uint64 [r]: a fingerprint of token_ids[rows[j], :lengths[j]] for each j, from O(1) tokens per row.
@@ -231,7 +227,7 @@ class RequestTable:
         for name, (dtype, fill) in _SLOT_ARRAYS.items():
             setattr(self, name, np.full(64, fill, dtype))
         k = max(pool.k, 1)                      # per slot: the prices of its last sent draft; `book`'s rows
-        self.p_sent, self.learned, self._p_learned = np.zeros((64, k)), np.zeros((64, 7), np.int64), np.zeros((64, k))
+        self.p_sent, self.learned, self._p_learned = np.zeros((64, k)), np.zeros((7, 64), np.int64), np.zeros((64, k))
         self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
                                                 # replaces it: `Memory.store`)
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
@@ -250,8 +246,8 @@ class RequestTable:
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0))
-        _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, np.zeros((3, 1)),
-              self.learned, self._p_learned)
+        _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
+              self._p_learned)
 
     def _room(self, s: int) -> None:
         if s >= len(self.fp):
@@ -259,9 +255,9 @@ class RequestTable:
             for name, (dtype, fill) in _SLOT_ARRAYS.items():
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.full(n - len(a), fill, dtype)]))
-            grown = (np.concatenate([a, np.zeros((n - len(a), a.shape[1]), a.dtype)])
-                     for a in (self.p_sent, self.learned, self._p_learned))
-            self.p_sent, self.learned, self._p_learned = grown
+            k = self.p_sent.shape[1]
+            self.p_sent = np.concatenate([self.p_sent, np.zeros((n - len(self.p_sent), k))])
+            self.learned, self._p_learned = np.zeros((7, n), np.int64), np.zeros((n, k))     # (scratch)
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -391,9 +387,13 @@ class RequestTable:
         """What the engine kept of each row's last sent draft into the calibration (`Calibration`), then this call's
         lengths and prices (`step`: `IndexPool.step`'s) recorded as each slot's sent draft, in one compiled call (a
         call after a model's forward pays for every numpy call it makes). Returns (rows that learned, listed in
-        `learned`: slot, kept, sent, credit's source, version, position; their kept tokens summed; tokens sent)."""
-        return _book(slots, lengths, step.kept, step.credit, step.p_kept, self.sent, self.p_sent, calibration.table,
-                     self.learned, self._p_learned)
+        the columns of `learned`: slot, kept, sent, credit's source, version, position; their kept tokens summed;
+        tokens sent)."""
+        learned, total, drafted = _book(slots, lengths, step.kept, step.credit, step.p_kept, self.sent, self.p_sent,
+                                        self.learned, self._p_learned)
+        if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
+            calibration.observe_rows(self._p_learned[:learned], self.learned[2, :learned], self.learned[6, :learned])
+        return learned, total, drafted
 
     def _new_slot(self, claim: Claim, j: int, n_tokens: int, prompt: int, call: int, key: str | None) -> int:
         """A fresh slot for row j of the claim; key: the memory key of what its request stored before (None: none)."""
