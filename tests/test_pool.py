@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from lookup_decode.core.draft import kept_prefix
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy, ragged_lengths
-from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.pool import IndexPool, drop_stale_cache
 from lookup_decode.sources.memory import Memory, References
 from lookup_decode.sources.proposer import SourcesProposer
 
@@ -330,3 +330,23 @@ def test_fast_apply_prediction_follows_the_file_through_the_edit():
     steps = np.array([[_edit_steps(role, True, seed)[1] for role in (2, 1, None)] for seed in range(5)])
     assert np.all(steps[:, 0] <= steps[:, 1]) and np.all(steps[:, 1] <= steps[:, 2])
     assert steps[:, 0].sum() < steps[:, 1].sum(), steps
+
+
+def test_stale_kernels_of_a_module_are_dropped_when_a_file_it_compiles_in_changes(tmp_path, monkeypatch):
+    """A module whose kernels compile in another file's: its cached kernels go when that file changed, not before."""
+    package = tmp_path / "lookup_decode"
+    (package / "core").mkdir(parents=True)
+    dep, module, cache = package / "core" / "dep.py", package / "core" / "mod.py", package / "core" / "__pycache__"
+    dep.write_text("x = 1\n")
+    monkeypatch.setattr("lookup_decode.core.pool.__file__", str(package / "core" / "pool.py"))
+    cache.mkdir()
+    kernel = cache / "mod.f-1.py311.nbi"
+    kernel.write_text("")
+    drop_stale_cache(str(module), ("core/dep.py",))     # no digest yet: dropped
+    assert not kernel.exists() and (cache / "mod.deps").exists()
+    kernel.write_text("")
+    drop_stale_cache(str(module), ("core/dep.py",))     # unchanged: kept
+    assert kernel.exists()
+    dep.write_text("x = 2\n")
+    drop_stale_cache(str(module), ("core/dep.py",))     # changed: dropped
+    assert not kernel.exists()

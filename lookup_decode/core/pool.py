@@ -53,24 +53,25 @@ MIGRATE_PER_TOKEN = 8              # and this much more per token the step appen
 _HASH_PER_WORK = 32
 
 
-def _drop_stale_cache() -> None:
-    """numba keys its disk cache of this module's kernels on this file alone, but `_step` compiles in the kernels of
-    automaton.py, acceptance.py and draft.py: after an edit of one of those it would load the old code. Drop this
-    module's cached kernels when those files changed (a digest kept beside the cache)."""
-    here = pathlib.Path(__file__).parent
-    digest = hashlib.sha256(b"".join((here / f).read_bytes() for f in ("automaton.py", "acceptance.py", "draft.py")))
-    stamp = here / "__pycache__" / "pool.deps"
+def drop_stale_cache(module: str, deps: tuple[str, ...]) -> None:
+    """numba keys its disk cache of a module's kernels on that module's file alone, but a kernel that calls kernels
+    of other files compiles them in: after an edit of one of those it would load the old code. Drop the module's
+    cached kernels (module: its __file__) when those files (deps: paths under lookup_decode/) changed, a digest kept
+    beside the cache. Here `_step` compiles in the kernels of automaton.py, acceptance.py and draft.py."""
+    path, root = pathlib.Path(module), pathlib.Path(__file__).parents[1]
+    digest = hashlib.sha256(b"".join((root / f).read_bytes() for f in deps))
+    stamp = path.parent / "__pycache__" / f"{path.stem}.deps"
     try:
         stamp.parent.mkdir(exist_ok=True)
         if not stamp.exists() or stamp.read_text() != digest.hexdigest():
-            for f in stamp.parent.glob("pool.*.nb[ic]"):
+            for f in stamp.parent.glob(f"{path.stem}.*.nb[ic]"):
                 f.unlink(missing_ok=True)
             stamp.write_text(digest.hexdigest())
     except OSError:                         # a read-only install: numba caches elsewhere, or not at all
         pass
 
 
-_drop_stale_cache()
+drop_stale_cache(__file__, ("core/automaton.py", "core/acceptance.py", "core/draft.py"))
 
 
 def _warm_up(window: int) -> None:

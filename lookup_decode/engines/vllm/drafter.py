@@ -34,6 +34,8 @@ KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and st
 
 
 def _numpy(array) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array
     return array.numpy() if hasattr(array, "numpy") else np.asarray(array)
 
 
@@ -131,6 +133,8 @@ class LookupDrafter(BatchDrafter):
 
     _runner = None                                  # vLLM's model runner, weakly (found by load_model)
     _graphs = None                                  # the engine's compilation_config until its graph sizes are read
+    _matrix = None                                  # the token matrix last found int32 and contiguous
+    _engine = None                                  # the runner's rows as EngineRequests (its same list and dict)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM calls this with the target model after building the drafter; there is no model to load. Its caller
@@ -156,16 +160,21 @@ class LookupDrafter(BatchDrafter):
             num_tokens_no_spec[i] columns. slot_mappings: unused (no model).
         """
         B = len(sampled_token_ids)
-        matrix = _numpy(token_ids_cpu)
-        if matrix.dtype != np.int32 or not matrix.flags.c_contiguous:
-            matrix = np.ascontiguousarray(matrix, np.int32)
+        matrix = token_ids_cpu              # vLLM's persistent batch: the same int32 array at every step
+        if matrix is not self._matrix:
+            matrix = _numpy(token_ids_cpu)
+            if matrix.dtype != np.int32 or not matrix.flags.c_contiguous:
+                matrix = np.ascontiguousarray(matrix, np.int32)
+            elif matrix is token_ids_cpu:
+                self._matrix = matrix
         counts = _numpy(num_tokens_no_spec)[:B].astype(np.int64, copy=False)
         emitted = np.fromiter(map(len, sampled_token_ids), np.int64, count=B)
         runner = self._runner() if self._runner is not None else None
         engine = None
         if runner is not None:
-            states = runner.requests
-            engine = EngineRequests(runner.input_batch.req_ids, states, lambda rid: _info(states.get(rid)))
+            engine, ids, states = self._engine, runner.input_batch.req_ids, runner.requests
+            if engine is None or engine.ids is not ids or engine.held is not states:
+                engine = self._engine = EngineRequests(ids, states, lambda rid: _info(states.get(rid)))
         if self._graphs is not None:
             cc, self._graphs = self._graphs, None   # a step runs padded to the next graph size: to the step cost
             mode = getattr(cc, "cudagraph_mode", None)

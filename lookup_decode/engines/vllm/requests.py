@@ -81,15 +81,15 @@ def _fingerprints(matrix, rows, lengths, mult, out):
 
 
 @njit(cache=True, nogil=True)
-def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps, sums):
-    """The kernel of `RequestTable.steady`: the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn,
-    temps, and sums (verified, prefill, continued, most new tokens, any slot near its room's end, rows ended);
-    returns the rows (-1: not the steady state, nothing written)."""
+def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps):
+    """The kernel of `RequestTable.steady`: the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn
+    and temps; rules: (k, max_len, check_end, call). Returns (rows, verified, prefill, continued, most new tokens,
+    any slot near its room's end, rows ended); rows -1: not the steady state, nothing written."""
     limit, end, sent, last_seen = per_slot
     k, max_len, check_end, call = rules[0], rules[1], rules[2], rules[3]
     r = verified = prefill = continued = most = near = ended = 0
     if row_slots.shape[0] != counts.shape[0]:
-        return -1
+        return -1, 0, 0, 0, 0, 0, 0
     for i in range(counts.shape[0]):
         n = counts[i]
         if emitted[i] == 0:
@@ -97,10 +97,10 @@ def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot
             continue
         s = row_slots[i]
         if s < 0 or n >= max_len:
-            return -1
+            return -1, 0, 0, 0, 0, 0, 0
         before, have = n - emitted[i], meta[s, N_TOKENS]
         if have > before:                   # not the slot's text continued
-            return -1
+            return -1, 0, 0, 0, 0, 0, 0
         if check_end:                       # a finished request (its output is stored before drafting)
             if n >= end[s]:
                 ended += 1
@@ -123,11 +123,30 @@ def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot
             near = 1
         r += 1
     if r == 0:
-        return -1
+        return -1, 0, 0, 0, 0, 0, 0
     for j in range(r):
         last_seen[out[1, j]] = call
-    sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = verified, prefill, continued, most, near, ended
-    return r
+    return r, verified, prefill, continued, most, near, ended
+
+
+@njit(cache=True, nogil=True)
+def _book(slots, lengths, kept, credit, p_kept, sent, p_sent, out, p_out):
+    """The kernel of `RequestTable.book`: out int64 [7, >= r], p_out float [>= r, k] (scratch): out[:, j] = (slot,
+    kept, sent, the credit's source, version, position, kept of sent) of the j-th row that learned."""
+    learned, total, drafted = 0, 0, 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if kept[i] >= 0:
+            out[0, learned], out[1, learned], out[2, learned] = s, kept[i], sent[s]
+            out[3, learned], out[4, learned], out[5, learned] = credit[i, 0], credit[i, 1], credit[i, 2]
+            out[6, learned] = min(kept[i], sent[s])
+            p_out[learned, :] = p_sent[s]
+            learned += 1
+            total += kept[i]
+        drafted += lengths[i]
+        sent[s] = lengths[i]
+        p_sent[s, :] = p_kept[i]
+    return learned, total, drafted
 
 
 def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
@@ -207,6 +226,8 @@ class RequestTable:
         self.live: set[int] = set()
         for name, (dtype, fill) in _SLOT_ARRAYS.items():
             setattr(self, name, np.full(64, fill, dtype))
+        k = max(pool.k, 1)                      # per slot: the prices of its last sent draft; `book`'s rows
+        self.p_sent, self.learned, self._p_learned = np.zeros((64, k)), np.zeros((7, 64), np.int64), np.zeros((64, k))
         self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
                                                 # replaces it: `Memory.store`)
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
@@ -221,10 +242,12 @@ class RequestTable:
         # The steady state: the rows' ids at the last call by id, and their slots (-1: none); None: unknown.
         self.row_ids: list | None = None
         self.row_slots = np.zeros(0, np.int64)
-        self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(6, np.int64))
+        self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
-        self._steady_kernel(np.zeros((1, 1), np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                            np.zeros(4, np.int64))     # compiled (or loaded) now, not inside an engine step
+        none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
+        self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0))
+        _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
+              self._p_learned)
 
     def _room(self, s: int) -> None:
         if s >= len(self.fp):
@@ -232,6 +255,9 @@ class RequestTable:
             for name, (dtype, fill) in _SLOT_ARRAYS.items():
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.full(n - len(a), fill, dtype)]))
+            k = self.p_sent.shape[1]
+            self.p_sent = np.concatenate([self.p_sent, np.zeros((n - len(self.p_sent), k))])
+            self.learned, self._p_learned = np.zeros((7, n), np.int64), np.zeros((n, k))     # (scratch)
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -341,22 +367,33 @@ class RequestTable:
             self.row_ids = ids[:n]
             self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
         if self._steady_out[0].shape[1] < n:
-            self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n),
-                                self._steady_out[3])
+            self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n))
             self._steady_views = {}
-        r = self._steady_kernel(matrix, counts, emitted, np.array([k, max_len, check_end, call], np.int64))
+        r, *sums = self._steady_kernel(matrix, counts, emitted, (k, max_len, int(check_end), call))
         if r < 0:
             return None
         views = self._steady_views.get(r)
         if views is None:
-            out, learn, temps, _ = self._steady_out
+            out, learn, temps = self._steady_out
             views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r])
-        return (*views, self._steady_out[3].tolist())
+        return (*views, sums)
 
-    def _steady_kernel(self, matrix, counts, emitted, rules) -> int:
-        out, learn, temps, sums = self._steady_out
+    def _steady_kernel(self, matrix, counts, emitted, rules) -> tuple:
+        out, learn, temps = self._steady_out
         return _steady(matrix, counts, emitted, self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
-                       (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn, temps, sums)
+                       (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn, temps)
+
+    def book(self, slots: np.ndarray, lengths: np.ndarray, step, calibration) -> tuple[int, int, int]:
+        """What the engine kept of each row's last sent draft into the calibration (`Calibration`), then this call's
+        lengths and prices (`step`: `IndexPool.step`'s) recorded as each slot's sent draft, in one compiled call (a
+        call after a model's forward pays for every numpy call it makes). Returns (rows that learned, listed in
+        the columns of `learned`: slot, kept, sent, credit's source, version, position; their kept tokens summed;
+        tokens sent)."""
+        learned, total, drafted = _book(slots, lengths, step.kept, step.credit, step.p_kept, self.sent, self.p_sent,
+                                        self.learned, self._p_learned)
+        if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
+            calibration.observe_rows(self._p_learned[:learned], self.learned[2, :learned], self.learned[6, :learned])
+        return learned, total, drafted
 
     def _new_slot(self, claim: Claim, j: int, n_tokens: int, prompt: int, call: int, key: str | None) -> int:
         """A fresh slot for row j of the claim; key: the memory key of what its request stored before (None: none)."""
