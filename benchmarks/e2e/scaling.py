@@ -45,7 +45,7 @@ from benchmarks.harness import workloads
 from benchmarks.harness.baselines import ContextCopyOracle, TransformersPromptLookup
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline, copy_share
-from benchmarks.harness.model import add_model_arguments, device_of, load_tokenizer
+from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
@@ -53,7 +53,7 @@ from benchmarks.micro.cost_grid import CostGrid, measure_cost_grid, plain_times,
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
-from lookup_decode.engines.hf.models import chat_ids
+from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.engines.replay import replay
 from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, Variant, environment, loop_score, spread
 
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     if need_model:
         model, tokenizer = load_model(args, device)
     else:
-        tokenizer = load_tokenizer(args)
+        tokenizer = load_tokenizer(args.model)
     eos = eos_of(tokenizer)
     SuffixIndex([1, 2, 1, 2], min_match=1).propose(2)   # compile the index kernels first
 
