@@ -10,6 +10,7 @@ Set LOOKUP_DECODE_DATA to point elsewhere; the default is the `shared/data` fold
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import json
 import os
@@ -89,32 +90,26 @@ def editeval() -> list[Request]:
     return out
 
 
-def aider_refactor(max_chars: int | None = None) -> list[Request]:
+def aider_refactor() -> list[Request]:
     """Refactoring requests over large real source files (long context); no reference."""
     out = []
     for row in read_jsonl(data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"):
-        if max_chars is not None and len(row["before_code"]) > max_chars:
-            continue
         text = f"{row['instruction']}\n\n```python\n{row['before_code']}\n```"
         out.append(Request("aider_refactor", row["id"], user_turn(text), None,
                            {"source_chars": len(row["before_code"])}))
     return out
 
 
-def clapnq_passages(row: dict) -> str:
-    """A ClapNQ row's passages as one text."""
-    return "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in maybe_list(row["passages"]))
-
-
 def clapnq() -> list[Request]:
-    """Retrieval QA: passages + question; reference = the data set's long answer."""
+    """Retrieval QA: passages + question; reference = the data set's long answer; meta: passages, question."""
     out = []
     for row in read_jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"):
-        context = clapnq_passages(row)
+        context = "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in maybe_list(row["passages"]))
         answers = maybe_list(row["output"])
         ref = answers[0].get("answer") if answers and isinstance(answers[0], dict) else None
         text = f"Answer the question using the passage.\n\nPassage:\n{context}\n\nQuestion: {row['input']}"
-        out.append(Request("clapnq", str(row["id"]), user_turn(text), ref))
+        out.append(Request("clapnq", str(row["id"]), user_turn(text), ref,
+                           {"passages": context, "question": row["input"]}))
     return out
 
 
@@ -189,12 +184,8 @@ WORKLOADS = {
     "code_edit": nofuneval_edit,
     "editeval": editeval,
     "aider_refactor": aider_refactor,
-    "summarization": lambda: spec_bench("summarization"),
-    "rag": lambda: spec_bench("rag"),
-    "qa": lambda: spec_bench("qa"),
-    "translation": lambda: spec_bench("translation"),
-    "math_reasoning": lambda: spec_bench("math_reasoning"),
-    "mt_bench": lambda: spec_bench("mt_bench"),
+    **{c: functools.partial(spec_bench, c)
+       for c in ("summarization", "rag", "qa", "translation", "math_reasoning", "mt_bench")},
     "mt_bench_pld": mt_bench_pld,
     "clapnq": clapnq,
     "mt_redundant": mt_redundant,

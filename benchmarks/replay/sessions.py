@@ -42,7 +42,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.harness.workloads import clapnq_passages, data_dir, maybe_list, read_jsonl, user_turn
+from benchmarks.harness import workloads
+from benchmarks.harness.workloads import data_dir, maybe_list, read_jsonl, user_turn
 
 
 @dataclass
@@ -157,19 +158,10 @@ def edit_chain(limit: int | None, min_chars: int = 200, max_chars: int = 600) ->
 
 def rag_clapnq(question_only: bool, limit: int | None, n_references: int | None = None) -> Workload:
     """ClapNQ answers, with the passages of the first n_references rows (default: the requests' own) registered."""
-    rows = list(read_jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"))
-    registered = rows[:limit if n_references is None else n_references]
-    refs = {f"clapnq/{row['id']}": clapnq_passages(row) for row in registered}
-    steps = []
-    for row in rows[:limit]:
-        context = clapnq_passages(row)
-        answers = maybe_list(row["output"])
-        ref = answers[0].get("answer") if answers and isinstance(answers[0], dict) else None
-        if not ref:
-            continue
-        text = (f"Answer the question.\n\nQuestion: {row['input']}" if question_only else
-                f"Answer the question using the passage.\n\nPassage:\n{context}\n\nQuestion: {row['input']}")
-        steps.append(Step(user_turn(text), ref, "answer"))
+    reqs = workloads.clapnq()
+    refs = {f"clapnq/{r.id}": r.meta["passages"] for r in reqs[:limit if n_references is None else n_references]}
+    steps = [Step(user_turn(f"Answer the question.\n\nQuestion: {r.meta['question']}") if question_only
+                  else r.messages, r.reference, "answer") for r in reqs[:limit] if r.reference]
     return Workload("rag_clapnq_question_only" if question_only else "rag_clapnq", [steps], refs)
 
 
