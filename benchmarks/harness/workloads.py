@@ -113,21 +113,29 @@ def clapnq() -> list[Request]:
     return out
 
 
-def mt_redundant(model_answers: str = "llama3-8B-experiments-redundant.jsonl") -> list[Request]:
+def redundant_answers(file: str) -> dict[str, list[str]]:
+    """A CopySpec answer file's turns per question id (`file` without .jsonl)."""
+    return {str(r["question_id"]): maybe_list(maybe_list(r["choices"])[0]["turns"])
+            for r in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / f"{file}.jsonl")}
+
+
+def redundant_questions() -> dict[str, list[str]]:
+    """CopySpec's redundant questions: the turns per question id."""
+    return {str(r["question_id"]): maybe_list(r["turns"])
+            for r in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl")}
+
+
+def mt_redundant() -> list[Request]:
     """Second turns that re-ask for earlier content; the first answer is a real model's; reference = its 2nd turn."""
-    answers = {}
-    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / model_answers):
-        choices = maybe_list(row["choices"])
-        answers[str(row["question_id"])] = maybe_list(choices[0]["turns"])
+    answers = redundant_answers("llama3-8B-experiments-redundant")
     out = []
-    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl"):
-        turns = maybe_list(row["turns"])
-        ans = answers.get(str(row["question_id"]))
+    for qid, turns in redundant_questions().items():
+        ans = answers.get(qid)
         if not ans or len(turns) < 2:
             continue
         messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": ans[0]},
                     {"role": "user", "content": turns[1]}]
-        out.append(Request("mt_redundant", str(row["question_id"]), messages, ans[1] if len(ans) > 1 else None))
+        out.append(Request("mt_redundant", qid, messages, ans[1] if len(ans) > 1 else None))
     return out
 
 

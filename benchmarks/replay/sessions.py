@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.harness import workloads
-from benchmarks.harness.workloads import data_dir, maybe_list, read_jsonl, user_turn
+from benchmarks.harness.workloads import data_dir, read_jsonl, redundant_answers, redundant_questions, user_turn
 
 
 @dataclass
@@ -63,18 +63,6 @@ class Workload:
     name: str
     sessions: list[list[Step]]
     references: dict[str, str] = field(default_factory=dict)   # name -> text, registered before the first step
-
-
-def _answers(file: str) -> dict[str, list[str]]:
-    out = {}
-    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / f"{file}.jsonl"):
-        out[str(row["question_id"])] = maybe_list(maybe_list(row["choices"])[0]["turns"])
-    return out
-
-
-def _questions() -> dict[str, list[str]]:
-    return {str(r["question_id"]): maybe_list(r["turns"])
-            for r in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl")}
 
 
 def _code(text: str) -> str:
@@ -97,11 +85,11 @@ EDIT_INSTRUCTIONS = [
 
 def mt_redundant(stateless: bool, limit: int | None, files=tuple(REDUNDANT)) -> Workload:
     """One session (one memory) per answer file: its chats' turn 1 and turn 2 in order."""
-    qs = _questions()
+    qs = redundant_questions()
     sessions = []
     for file in files:
         steps = []
-        for qid, ans in list(_answers(file).items())[:limit]:
+        for qid, ans in list(redundant_answers(file).items())[:limit]:
             t1, t2 = qs[qid][:2]
             if len(ans) < 2 or not ans[0].strip() or not ans[1].strip():
                 continue
@@ -115,10 +103,10 @@ def mt_redundant(stateless: bool, limit: int | None, files=tuple(REDUNDANT)) -> 
 
 def rerun(limit: int | None, runs=tuple(RERUNS)) -> Workload:
     """One session per (first run, second run) pair of answer files: run 1 fills the memory, run 2 is scored."""
-    qs = _questions()
+    qs = redundant_questions()
     sessions = []
     for first, second in runs:
-        a, b = _answers(first), _answers(second)
+        a, b = redundant_answers(first), redundant_answers(second)
         steps = [Step(user_turn(qs[q][0]), a[q][0], "run1", score=False) for q in list(a)[:limit] if a[q][0].strip()]
         steps += [Step(user_turn(qs[q][0]), b[q][0], "run2") for q in list(b)[:limit] if q in qs and b[q][0].strip()]
         sessions.append(steps)
