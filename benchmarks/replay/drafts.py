@@ -45,14 +45,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.harness.baselines import (
-    ContextCopyOracle,
-    SelectionOracle,
-    SubstitutionKey,
-    SuffixDecoding,
-    TransformersPromptLookup,
-    VllmNgram,
-)
+from benchmarks.harness import baselines
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
 from lookup_decode.core.acceptance import N_BUCKETS
@@ -71,25 +64,23 @@ from lookup_decode.sources.tree import branches
 SETS = ["cnn_dm", "hagrid", "code_edit", "mt_redundant", "editeval", "clapnq"]
 CAPS = [10, 32]
 
+MATCH = {"min_match": LookupConfig.min_match, "max_match": LookupConfig.max_match}     # the package's defaults
 # name -> (prompt int32 [T], output int32 [n], cap, eos ids) -> proposer
 PROPOSERS = {
-    "lookup_decode": lambda p, o, cap, eos: SuffixIndex(p, min_match=LookupConfig.min_match,
-                                                        max_match=LookupConfig.max_match, eos_token_ids=eos),
-    "transformers_pld": lambda p, o, cap, eos: TransformersPromptLookup(p, num_output_tokens=cap,
-                                                                        max_matching_ngram_size=2, eos_token_ids=eos),
-    "vllm_ngram_5_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=5, max_n=5),
-    "vllm_ngram_2_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=2, max_n=5),
-    "suffix_decoding": lambda p, o, cap, eos: SuffixDecoding(p, k=cap),
-    "context_copy_ceiling": lambda p, o, cap, eos: ContextCopyOracle(p, o),
+    "lookup_decode": lambda p, o, cap, eos: SuffixIndex(p, eos_token_ids=eos, **MATCH),
+    "transformers_pld": lambda p, o, cap, eos: baselines.TransformersPromptLookup(p, num_output_tokens=cap,
+                                                                                  max_matching_ngram_size=2,
+                                                                                  eos_token_ids=eos),
+    "vllm_ngram_5_5": lambda p, o, cap, eos: baselines.VllmNgram(p, k=cap, min_n=5, max_n=5),
+    "vllm_ngram_2_5": lambda p, o, cap, eos: baselines.VllmNgram(p, k=cap, min_n=2, max_n=5),
+    "suffix_decoding": lambda p, o, cap, eos: baselines.SuffixDecoding(p, k=cap),
+    "context_copy_ceiling": lambda p, o, cap, eos: baselines.ContextCopyOracle(p, o),
     # Ablations of lookup_decode's rules (issue 8): each mechanism off, or a variant that lost.
-    "ablate_no_resync": lambda p, o, cap, eos: SuffixIndex(p, min_match=LookupConfig.min_match,
-                                                           max_match=LookupConfig.max_match, eos_token_ids=eos,
-                                                           resync_window=0),
-    "ablate_substitution_key": lambda p, o, cap, eos: SubstitutionKey(p, min_len=2, eos_token_ids=eos,
-                                                                      min_match=LookupConfig.min_match,
-                                                                      max_match=LookupConfig.max_match),
+    "ablate_no_resync": lambda p, o, cap, eos: SuffixIndex(p, eos_token_ids=eos, resync_window=0, **MATCH),
+    "ablate_substitution_key": lambda p, o, cap, eos: baselines.SubstitutionKey(p, min_len=2, eos_token_ids=eos,
+                                                                                **MATCH),
     # Bound of any occurrence-choosing rule (knows the future; see baselines.SelectionOracle).
-    "selection_oracle": lambda p, o, cap, eos: SelectionOracle(p, o),
+    "selection_oracle": lambda p, o, cap, eos: baselines.SelectionOracle(p, o),
 }
 ADAPTIVE = "lookup_decode_adaptive"
 
