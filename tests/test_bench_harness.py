@@ -640,11 +640,6 @@ def test_model_arguments_and_their_meaning(monkeypatch):
     with pytest.raises(SystemExit):
         ap.parse_args(["--dtype", "int8"])
     assert model.model_path(None) is None and model.model_path("x.gguf") == "x.gguf"
-    assert model.torch_dtype("bfloat16") is torch.bfloat16
-    assert model.torch_dtype("auto") in (torch.bfloat16, torch.float32)
-    monkeypatch.delattr(lookup_decode, "code_model", raising=False)
-    with pytest.raises(SystemExit, match="code_model"):
-        model.model_path(model.CODE_MODEL)
     monkeypatch.setattr(lookup_decode, "code_model", lambda: "/cache/qwen.gguf", raising=False)
     assert model.model_path(model.CODE_MODEL) == "/cache/qwen.gguf"
 

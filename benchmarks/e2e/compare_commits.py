@@ -71,8 +71,9 @@ class Worker:
 def main(argv=None) -> int:
     from benchmarks.harness import workloads
     from benchmarks.harness.loop import side_by_side
-    from benchmarks.harness.model import add_model_arguments, load_tokenizer, model_path, torch_dtype
+    from benchmarks.harness.model import add_model_arguments, model_path
     from benchmarks.harness.results import write_result
+    from lookup_decode.engines.hf.models import load_tokenizer, resolve_dtype
     from lookup_decode.measure import environment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -90,13 +91,13 @@ def main(argv=None) -> int:
     add_model_arguments(ap)
     args = ap.parse_args(argv)
 
-    tok = load_tokenizer(args)
+    tok = load_tokenizer(args.model)
     prompts = []                           # (category, rows of one generate call)
     for cat in args.categories:
         fit = [ids[0].tolist() for _, ids in workloads.select([cat], tok, args.n * args.batch,
                                                                args.max_prompt_tokens)[0]]
         prompts += [(cat, fit[i: i + args.batch]) for i in range(0, len(fit) - args.batch + 1, args.batch)]
-    model, dtype = model_path(args.model), str(torch_dtype(args.dtype)).replace("torch.", "")
+    model, dtype = model_path(args.model), str(resolve_dtype(args.dtype)).removeprefix("torch.")
     workers = {name: Worker(root, args.threads, model and str(model), dtype)
                for name, root in (("before", args.before), ("after", args.after))}
     for w in workers.values():             # untimed warm-up (of this batch size: its cost calibration)

@@ -41,17 +41,9 @@ from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.vllm.fast_apply import REWRITE_SHARE, SETS, load_edits, max_tokens, median_range, messages, number
+from lookup_decode import measure
 from lookup_decode.engines.vllm.predicted_outputs import prediction_counts
-from lookup_decode.measure import (
-    PLAIN,
-    PROMPT_LOOKUP,
-    Variant,
-    environment,
-    run_variant,
-    speedup,
-    spread,
-    throughput_ratio,
-)
+from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant, spread
 
 OUT = RESULTS / "fast_apply" / "transformers"
 PREDICTION = "lookup_decode+prediction"
@@ -122,10 +114,8 @@ def measure_edit(model, tokenizer, edit: dict, ids, prediction: list[int], optio
     rec = prompt_record(SimpleNamespace(category=edit["set"], id=edit["id"]), ids, runs, NAMES, tokenizer)
     for name in NAMES:
         rec["variants"][name]["forwards"] = counts[name][0]
-    base = rec["variants"]["lookup_decode"]
-    rec["speedup_vs_lookup_decode"] = {PREDICTION: speedup((base["new_tokens"], base["seconds"]),
-                                                           (rec["variants"][PREDICTION]["new_tokens"],
-                                                            rec["variants"][PREDICTION]["seconds"]))}
+    pairs = {n: (v["new_tokens"], v["seconds"]) for n, v in rec["variants"].items()}    # (tokens, seconds)
+    rec["speedup_vs_lookup_decode"] = {PREDICTION: measure.speedup(pairs["lookup_decode"], pairs[PREDICTION])}
     rec.update(set=edit["set"], file_tokens=len(prediction), max_new_tokens=max_tokens(edit, cap),
                **prediction_counts(prediction, runs["plain"][0].tokens))
     return rec
@@ -152,7 +142,7 @@ def summarize(records: list[dict]) -> dict:
         tokens_seconds = [[(r["variants"][n]["new_tokens"], r["variants"][n]["seconds"]) for r in rs]
                           for n in ("lookup_decode", PREDICTION)]
         agg[PREDICTION]["speedup_vs_lookup_decode"] = spread(r["speedup_vs_lookup_decode"][PREDICTION] for r in rs)
-        agg[PREDICTION]["throughput_ratio_vs_lookup_decode"] = throughput_ratio(*tokens_seconds)
+        agg[PREDICTION]["throughput_ratio_vs_lookup_decode"] = measure.throughput_ratio(*tokens_seconds)
         agg["accepted_prediction_tokens"] = sum(r["accepted_prediction_tokens"] for r in rs)
         agg["rejected_prediction_tokens"] = sum(r["rejected_prediction_tokens"] for r in rs)
         table[group] = agg

@@ -31,19 +31,11 @@ from benchmarks.harness.metrics import accepted_histogram, copy_share
 from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS
+from lookup_decode import measure
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.forward import measure_forward_cost
 from lookup_decode.engines.hf.ties import first_difference
-from lookup_decode.measure import (
-    LOOP_THRESHOLD,
-    PLAIN,
-    PROMPT_LOOKUP,
-    Variant,
-    environment,
-    loop_score,
-    run_variant,
-    speedup,
-)
+from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant
 
 VARIANTS = {
     "plain": PLAIN,
@@ -75,7 +67,7 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer, 
     drafting cannot speed up)."""
     plain = runs["plain"][0]
     rec = {"category": req.category, "id": req.id, "prompt_tokens": int(ids.shape[1]), "first_token_s": first_token_s,
-           "loop_score": loop_score(plain.tokens), "copy_share": copy_share(ids[0].tolist(), plain.tokens),
+           "loop_score": measure.loop_score(plain.tokens), "copy_share": copy_share(ids[0].tolist(), plain.tokens),
            "plain_tokens": plain.tokens,
            "plain_text": tokenizer.decode(plain.tokens, skip_special_tokens=True), "variants": {}}
     for name in names:
@@ -92,16 +84,14 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer, 
             v["stats"] = merged.as_dict()
             v["accepted_histogram"] = accepted_histogram(merged)
         rec["variants"][name] = v
+    pairs = {n: (v["new_tokens"], v["seconds"]) for n, v in rec["variants"].items()}    # (tokens, seconds)
+    after = {n: (t - 1, s - first_token_s) for n, (t, s) in pairs.items()}
     for base in ("plain", "prompt_lookup"):
         if base in names:
-            b = (rec["variants"][base]["new_tokens"], rec["variants"][base]["seconds"])
-            rec[f"speedup_vs_{base}"] = {
-                n: speedup(b, (rec["variants"][n]["new_tokens"], rec["variants"][n]["seconds"]))
-                for n in names if n != base}
-            after = (b[0] - 1, b[1] - first_token_s)
-            rec[f"after_first_vs_{base}"] = {
-                n: speedup(after, (rec["variants"][n]["new_tokens"] - 1, rec["variants"][n]["seconds"] - first_token_s))
-                for n in names if n != base and min(after) > 0 and rec["variants"][n]["seconds"] > first_token_s}
+            others = [n for n in names if n != base]
+            rec[f"speedup_vs_{base}"] = {n: measure.speedup(pairs[base], pairs[n]) for n in others}
+            rec[f"after_first_vs_{base}"] = {n: measure.speedup(after[base], after[n]) for n in others
+                                             if min(after[base]) > 0 and after[n][1] > 0}
     return rec
 
 

@@ -98,11 +98,8 @@ def main(argv=None) -> int:
                 records.append(rec)
                 print(json.dumps({k2: rec[k2] for k2 in ("workload", "group", "new_tokens", "identical")}
                                  | {"seconds": {v: round(s, 2) for v, s in rec["seconds"].items()}}), file=sys.stderr)
-                write_result(args.out, "results", {"environment": env,
-                                                   "records": records})
-    summary = summarize(records, variants)
-    result = {"environment": env, "settings": vars(args), "records": records,
-              "summary": summary}
+                write_result(args.out, "results", {"environment": env, "records": records})
+    result = {"environment": env, "settings": vars(args), "records": records, "summary": summarize(records, variants)}
     write_result(args.out, "results", result, markdown(result))
     return 0
 
@@ -111,25 +108,21 @@ def summarize(records, variants):
     """Per (workload, group): speed-up of memory over none (median of per-request ratios and total-time
     ratio), mean accepted lengths, identity."""
     out = {}
-    for rec in records:
-        if not rec["scored"]:
-            continue
+    for rec in (r for r in records if r["scored"]):
         out.setdefault(f"{rec['workload']}/{rec['group']}", []).append(rec)
     rows = {}
     for key, recs in out.items():
         ratio = [r["seconds"]["none"] / r["seconds"]["memory"] for r in recs]
+        total = {v: sum(r["seconds"][v] for r in recs) for v in variants}
         row = {"requests": len(recs), "identical": sum(r["identical"] for r in recs),
                "speedup_memory_vs_none_median": statistics.median(ratio),
                "speedup_memory_vs_none_range": [min(ratio), max(ratio)],
-               "speedup_memory_vs_none_total": sum(r["seconds"]["none"] for r in recs)
-               / sum(r["seconds"]["memory"] for r in recs),
+               "speedup_memory_vs_none_total": total["none"] / total["memory"],
                "mean_accepted_length_none": statistics.mean(r["mean_accepted_length"]["none"] for r in recs),
                "mean_accepted_length_memory": statistics.mean(r["mean_accepted_length"]["memory"] for r in recs)}
         if "plain" in variants:
-            row["speedup_memory_vs_plain_total"] = sum(r["seconds"]["plain"] for r in recs) / \
-                sum(r["seconds"]["memory"] for r in recs)
-            row["speedup_none_vs_plain_total"] = sum(r["seconds"]["plain"] for r in recs) / \
-                sum(r["seconds"]["none"] for r in recs)
+            row["speedup_memory_vs_plain_total"] = total["plain"] / total["memory"]
+            row["speedup_none_vs_plain_total"] = total["plain"] / total["none"]
         rows[key] = row
     return rows
 

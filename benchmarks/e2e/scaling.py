@@ -42,18 +42,17 @@ from tqdm import tqdm
 from benchmarks.e2e.aider_after import move_method_to_top_level, parse_task
 from benchmarks.e2e.scaling_report import LENGTHS, PROPOSERS, SHARES, K, markdown, plot
 from benchmarks.harness import workloads
-from benchmarks.harness.baselines import ContextCopyOracle, TransformersPromptLookup
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.metrics import Timeline, copy_share
-from benchmarks.harness.model import add_model_arguments, device_of, load_tokenizer
+from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
 from benchmarks.micro.cost_grid import CostGrid, measure_cost_grid, plain_times, step_times, time_to
-from lookup_decode.core.config import LookupConfig
+from benchmarks.replay.drafts import PROPOSERS as DRAFTERS
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.policy import DraftPolicy
-from lookup_decode.engines.hf.models import chat_ids
+from lookup_decode.engines.hf.models import chat_ids, load_tokenizer
 from lookup_decode.engines.replay import replay
 from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, Variant, environment, loop_score, spread
 
@@ -65,16 +64,10 @@ LOOKUP = Variant("lookup_decode", lookup={"k": K})
 # ------------------------------------------------------------------------------ pure helpers
 
 def make_proposer(name: str, prompt, output, eos):
-    """(proposer, cap, adaptive) for one replay; ours is the default LookupConfig, adaptive."""
-    if name == "lookup_decode":
-        return SuffixIndex(prompt, min_match=LookupConfig.min_match, max_match=LookupConfig.max_match,
-                           eos_token_ids=eos), K, True
-    if name == "transformers_pld":
-        return TransformersPromptLookup(prompt, num_output_tokens=10, max_matching_ngram_size=2, eos_token_ids=eos), \
-            10, False
-    if name == "context_copy_ceiling":
-        return ContextCopyOracle(prompt, output), K, False
-    raise KeyError(name)
+    """(proposer, cap, adaptive) for one replay: benchmarks.replay.drafts' proposer of that name; ours (the default
+    LookupConfig) adaptive, transformers' prompt lookup at its default 10 tokens."""
+    cap = {"lookup_decode": K, "transformers_pld": 10, "context_copy_ceiling": K}[name]
+    return DRAFTERS[name](prompt, output, cap, eos), cap, name == "lookup_decode"
 
 
 def projected(name: str, prompt, output, cost: CostGrid, eos, lengths=None) -> dict:
@@ -354,7 +347,7 @@ def main(argv=None) -> int:
     if need_model:
         model, tokenizer = load_model(args, device)
     else:
-        tokenizer = load_tokenizer(args)
+        tokenizer = load_tokenizer(args.model)
     eos = eos_of(tokenizer)
     SuffixIndex([1, 2, 1, 2], min_match=1).propose(2)   # compile the index kernels first
 

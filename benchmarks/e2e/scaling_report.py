@@ -156,8 +156,7 @@ def plot(part: str, result: dict, path: Path) -> None:
             axes[0].scatter(ctx, [m["projected_same_output"] for m in measured], marker="+", s=60, color="gray",
                             label="projected for that same output")
         axes[0].set_xscale("log", base=2)
-        axes[0].set_xlabel("context tokens")
-        axes[0].set_ylabel("speed-up vs plain greedy")
+        axes[0].set(xlabel="context tokens", ylabel="speed-up vs plain greedy")
         axes[0].set_title("Aider refactors, whole file re-emitted", fontsize=10)
         c = result["cost"]
         axes[1].plot(c["contexts"], c["cost_16_over_1"], "o-", label="cost(16 tokens) / cost(1 token)")

@@ -53,6 +53,12 @@ from lookup_decode.core.index import SuffixIndex
 NO_LENGTH_LIMIT = 2**62       # max_model_len of a replay: none
 
 
+def before_eos(draft: np.ndarray, eos: np.ndarray) -> np.ndarray:
+    """The draft up to, not including, its first EOS token (the transformers rule both baselines follow)."""
+    at_eos = np.flatnonzero(np.isin(draft, eos))
+    return draft[: at_eos[0]] if len(at_eos) else draft
+
+
 class _Context:
     """Growing int32 token buffer (doubling), shared by the baselines."""
 
@@ -104,12 +110,7 @@ class TransformersPromptLookup(_Context):
             if len(starts) == 0:
                 continue
             begin = int(starts[0]) + n
-            draft = t[begin: min(begin + size, L)].copy()
-            if len(self.eos):
-                at_eos = np.flatnonzero(np.isin(draft, self.eos))
-                if len(at_eos):
-                    draft = draft[: at_eos[0]]
-            return Draft(draft, n)
+            return Draft(before_eos(t[begin: min(begin + size, L)].copy(), self.eos), n)
         return EMPTY
 
 
@@ -287,10 +288,7 @@ class SubstitutionKey:
     def propose(self, max_tokens: int) -> Draft:
         n = len(self.index)
         if self._skip >= 0 and self.index.match_len < self.min_len and self._skip < n and max_tokens > 0:
-            draft = self.index.tokens[self._skip: min(self._skip + max_tokens, n)].copy()
-            at_eos = np.flatnonzero(np.isin(draft, self.eos))
-            if len(at_eos):
-                draft = draft[: at_eos[0]]
+            draft = before_eos(self.index.tokens[self._skip: min(self._skip + max_tokens, n)].copy(), self.eos)
             self._src = self._skip if len(draft) else -1
             return Draft(draft, 1)
         draft = self.index.propose(max_tokens)

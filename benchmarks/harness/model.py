@@ -36,33 +36,18 @@ def device_of(args: argparse.Namespace) -> str:
 
 
 def model_path(model: str | None):
-    """What `lookup_decode`'s loaders take for --model: None (the default model), the code model's GGUF file, or
+    """What another checkout's loaders take for --model: None (the default model), the code model's GGUF file, or
     the path as given."""
     if model != CODE_MODEL:
         return model
     import lookup_decode
-    code_model = getattr(lookup_decode, "code_model", None)
-    if code_model is None:
-        raise SystemExit(f"--model {CODE_MODEL}: this lookup_decode has no code_model() yet (issue 32); pass the "
-                         "code model's .gguf file or folder instead")
-    return code_model()
-
-
-def torch_dtype(name: str, device: str = "cpu"):
-    """The torch dtype of a --dtype name; auto: the package's rule (`resolve_dtype`) where it has one, else
-    float32."""
-    import torch
-    if name != "auto":
-        return getattr(torch, name)
-    from lookup_decode.engines.hf import models
-    resolve = getattr(models, "resolve_dtype", None)
-    return torch.float32 if resolve is None else resolve("auto", device)
+    return lookup_decode.code_model()
 
 
 def load(args: argparse.Namespace, device: str = "cpu"):
-    """(model, tokenizer) for --model and --dtype on `device`."""
+    """(model, tokenizer) for --model and --dtype on `device` (`lookup_decode.load_model`)."""
     from lookup_decode.engines.hf.models import load_model
-    return load_model(model_path(args.model), dtype=torch_dtype(args.dtype, device), device=device)
+    return load_model(args.model, dtype=args.dtype, device=device)
 
 
 def hf_folder(model: str | None) -> str | None:
@@ -80,8 +65,3 @@ def hf_folder(model: str | None) -> str | None:
         export_hf(folder, gguf)
     return str(folder)
 
-
-def load_tokenizer(args: argparse.Namespace):
-    """The tokenizer of --model, without loading weights."""
-    from lookup_decode.engines.hf.models import load_tokenizer as tokenizer_of
-    return tokenizer_of(model_path(args.model))

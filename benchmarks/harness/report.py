@@ -214,10 +214,8 @@ def plots(result: dict, out: Path) -> list[Path]:
             ax.bar(emitted + (j - (len(lookup) - 1) / 2) * width, share, width=width, color=f"C{variants.index(v)}",
                    label=f"{v} (mean {(share * emitted).sum():.2f})")
         ax.set_xticks(range(1, longest + 1, max(1, longest // 16)))
-        ax.set_xlabel("tokens emitted per verify step (accepted drafts + 1)")
-        ax.set_ylabel("share of steps")
-        ax.set_yscale("log")
-        ax.set_title("Accepted length per step (loop-dominated prompts excluded)")
+        ax.set(xlabel="tokens emitted per verify step (accepted drafts + 1)", ylabel="share of steps", yscale="log",
+               title="Accepted length per step (loop-dominated prompts excluded)")
         ax.legend()
         save(fig, "accepted_length_hist.png")
 
@@ -227,10 +225,8 @@ def plots(result: dict, out: Path) -> list[Path]:
         ms = [1e3 * s for s in fc["seconds"]]
         ax.plot(fc["sizes"], ms, "o-")
         ax.plot(fc["sizes"], [ms[0] * n for n in fc["sizes"]], ":", color="gray", label="n x cost(1)")
-        ax.set_ylim(0, max(ms) * 1.3)
-        ax.set_xlabel("tokens in one forward (after a cached context)")
-        ax.set_ylabel("ms")
-        ax.set_title(f"Forward cost, {result['environment']['device']}, context {fc['context_tokens']} tokens")
+        ax.set(ylim=(0, max(ms) * 1.3), xlabel="tokens in one forward (after a cached context)", ylabel="ms",
+               title=f"Forward cost, {result['environment']['device']}, context {fc['context_tokens']} tokens")
         ax.legend()
         save(fig, "forward_cost.png")
     return written

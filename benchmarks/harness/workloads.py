@@ -10,6 +10,7 @@ Set LOOKUP_DECODE_DATA to point elsewhere; the default is the `shared/data` fold
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import json
 import os
@@ -89,50 +90,52 @@ def editeval() -> list[Request]:
     return out
 
 
-def aider_refactor(max_chars: int | None = None) -> list[Request]:
+def aider_refactor() -> list[Request]:
     """Refactoring requests over large real source files (long context); no reference."""
     out = []
     for row in read_jsonl(data_dir() / "aider_refactor" / "refactor_benchmark.jsonl"):
-        if max_chars is not None and len(row["before_code"]) > max_chars:
-            continue
         text = f"{row['instruction']}\n\n```python\n{row['before_code']}\n```"
         out.append(Request("aider_refactor", row["id"], user_turn(text), None,
                            {"source_chars": len(row["before_code"])}))
     return out
 
 
-def clapnq_passages(row: dict) -> str:
-    """A ClapNQ row's passages as one text."""
-    return "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in maybe_list(row["passages"]))
-
-
 def clapnq() -> list[Request]:
-    """Retrieval QA: passages + question; reference = the data set's long answer."""
+    """Retrieval QA: passages + question; reference = the data set's long answer; meta: passages, question."""
     out = []
     for row in read_jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"):
-        context = clapnq_passages(row)
+        context = "\n\n".join(p["text"] if isinstance(p, dict) else str(p) for p in maybe_list(row["passages"]))
         answers = maybe_list(row["output"])
         ref = answers[0].get("answer") if answers and isinstance(answers[0], dict) else None
         text = f"Answer the question using the passage.\n\nPassage:\n{context}\n\nQuestion: {row['input']}"
-        out.append(Request("clapnq", str(row["id"]), user_turn(text), ref))
+        out.append(Request("clapnq", str(row["id"]), user_turn(text), ref,
+                           {"passages": context, "question": row["input"]}))
     return out
 
 
-def mt_redundant(model_answers: str = "llama3-8B-experiments-redundant.jsonl") -> list[Request]:
+def redundant_answers(file: str) -> dict[str, list[str]]:
+    """A CopySpec answer file's turns per question id (`file` without .jsonl)."""
+    return {str(r["question_id"]): maybe_list(maybe_list(r["choices"])[0]["turns"])
+            for r in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / f"{file}.jsonl")}
+
+
+def redundant_questions() -> dict[str, list[str]]:
+    """CopySpec's redundant questions: the turns per question id."""
+    return {str(r["question_id"]): maybe_list(r["turns"])
+            for r in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl")}
+
+
+def mt_redundant() -> list[Request]:
     """Second turns that re-ask for earlier content; the first answer is a real model's; reference = its 2nd turn."""
-    answers = {}
-    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / model_answers):
-        choices = maybe_list(row["choices"])
-        answers[str(row["question_id"])] = maybe_list(choices[0]["turns"])
+    answers = redundant_answers("llama3-8B-experiments-redundant")
     out = []
-    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl"):
-        turns = maybe_list(row["turns"])
-        ans = answers.get(str(row["question_id"]))
+    for qid, turns in redundant_questions().items():
+        ans = answers.get(qid)
         if not ans or len(turns) < 2:
             continue
         messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": ans[0]},
                     {"role": "user", "content": turns[1]}]
-        out.append(Request("mt_redundant", str(row["question_id"]), messages, ans[1] if len(ans) > 1 else None))
+        out.append(Request("mt_redundant", qid, messages, ans[1] if len(ans) > 1 else None))
     return out
 
 
@@ -189,12 +192,8 @@ WORKLOADS = {
     "code_edit": nofuneval_edit,
     "editeval": editeval,
     "aider_refactor": aider_refactor,
-    "summarization": lambda: spec_bench("summarization"),
-    "rag": lambda: spec_bench("rag"),
-    "qa": lambda: spec_bench("qa"),
-    "translation": lambda: spec_bench("translation"),
-    "math_reasoning": lambda: spec_bench("math_reasoning"),
-    "mt_bench": lambda: spec_bench("mt_bench"),
+    **{c: functools.partial(spec_bench, c)
+       for c in ("summarization", "rag", "qa", "translation", "math_reasoning", "mt_bench")},
     "mt_bench_pld": mt_bench_pld,
     "clapnq": clapnq,
     "mt_redundant": mt_redundant,

@@ -85,9 +85,7 @@ def plot(result: dict, path: Path) -> None:
         for label, secs in result["curves"][shape].items():
             pts = [(n, s / secs[0]) for n, s in zip(result["sizes"], secs) if s is not None]
             ax.plot(*zip(*pts), marker="o", label=label)
-        ax.set_title(shape)
-        ax.set_xlabel("tokens per forward (n)")
-        ax.set_ylabel("cost / cost(n=1)")
+        ax.set(title=shape, xlabel="tokens per forward (n)", ylabel="cost / cost(n=1)")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -45,14 +45,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.harness.baselines import (
-    ContextCopyOracle,
-    SelectionOracle,
-    SubstitutionKey,
-    SuffixDecoding,
-    TransformersPromptLookup,
-    VllmNgram,
-)
+from benchmarks.harness import baselines
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
 from lookup_decode.core.acceptance import N_BUCKETS
@@ -71,25 +64,23 @@ from lookup_decode.sources.tree import branches
 SETS = ["cnn_dm", "hagrid", "code_edit", "mt_redundant", "editeval", "clapnq"]
 CAPS = [10, 32]
 
+MATCH = {"min_match": LookupConfig.min_match, "max_match": LookupConfig.max_match}     # the package's defaults
 # name -> (prompt int32 [T], output int32 [n], cap, eos ids) -> proposer
 PROPOSERS = {
-    "lookup_decode": lambda p, o, cap, eos: SuffixIndex(p, min_match=LookupConfig.min_match,
-                                                        max_match=LookupConfig.max_match, eos_token_ids=eos),
-    "transformers_pld": lambda p, o, cap, eos: TransformersPromptLookup(p, num_output_tokens=cap,
-                                                                        max_matching_ngram_size=2, eos_token_ids=eos),
-    "vllm_ngram_5_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=5, max_n=5),
-    "vllm_ngram_2_5": lambda p, o, cap, eos: VllmNgram(p, k=cap, min_n=2, max_n=5),
-    "suffix_decoding": lambda p, o, cap, eos: SuffixDecoding(p, k=cap),
-    "context_copy_ceiling": lambda p, o, cap, eos: ContextCopyOracle(p, o),
+    "lookup_decode": lambda p, o, cap, eos: SuffixIndex(p, eos_token_ids=eos, **MATCH),
+    "transformers_pld": lambda p, o, cap, eos: baselines.TransformersPromptLookup(p, num_output_tokens=cap,
+                                                                                  max_matching_ngram_size=2,
+                                                                                  eos_token_ids=eos),
+    "vllm_ngram_5_5": lambda p, o, cap, eos: baselines.VllmNgram(p, k=cap, min_n=5, max_n=5),
+    "vllm_ngram_2_5": lambda p, o, cap, eos: baselines.VllmNgram(p, k=cap, min_n=2, max_n=5),
+    "suffix_decoding": lambda p, o, cap, eos: baselines.SuffixDecoding(p, k=cap),
+    "context_copy_ceiling": lambda p, o, cap, eos: baselines.ContextCopyOracle(p, o),
     # Ablations of lookup_decode's rules (issue 8): each mechanism off, or a variant that lost.
-    "ablate_no_resync": lambda p, o, cap, eos: SuffixIndex(p, min_match=LookupConfig.min_match,
-                                                           max_match=LookupConfig.max_match, eos_token_ids=eos,
-                                                           resync_window=0),
-    "ablate_substitution_key": lambda p, o, cap, eos: SubstitutionKey(p, min_len=2, eos_token_ids=eos,
-                                                                      min_match=LookupConfig.min_match,
-                                                                      max_match=LookupConfig.max_match),
+    "ablate_no_resync": lambda p, o, cap, eos: SuffixIndex(p, eos_token_ids=eos, resync_window=0, **MATCH),
+    "ablate_substitution_key": lambda p, o, cap, eos: baselines.SubstitutionKey(p, min_len=2, eos_token_ids=eos,
+                                                                                **MATCH),
     # Bound of any occurrence-choosing rule (knows the future; see baselines.SelectionOracle).
-    "selection_oracle": lambda p, o, cap, eos: SelectionOracle(p, o),
+    "selection_oracle": lambda p, o, cap, eos: baselines.SelectionOracle(p, o),
 }
 ADAPTIVE = "lookup_decode_adaptive"
 
@@ -112,18 +103,22 @@ def replay_set(pairs, make, cap: int, eos, cost: CostCurve | None = None, adapti
     return summarize(total, per_pair, build_s, prompt_tokens, cost)
 
 
+def counts_row(total: DecodeStats, drafted_steps: int, reaching: list[int]) -> dict:
+    """The counts and rates of merged replay stats: a set's row and the pooled `all` row alike."""
+    return {"steps": total.steps, "emitted": total.new_tokens, "drafted": total.drafted, "accepted": total.accepted,
+            "mean_accepted_length": total.mean_accepted_length, "acceptance_rate": total.acceptance_rate,
+            "drafted_per_emitted": total.drafted / max(total.new_tokens, 1),
+            "us_per_step": 1e6 * total.proposer_s / max(total.steps, 1),
+            "accepted_at": total.accepted_at, "steps_drafting": drafted_steps, "drafts_reaching": reaching,
+            "per_position_acceptance": [a / max(drafted_steps, 1) for a in total.accepted_at]}
+
+
 def summarize(total: DecodeStats, per_pair: list[float], build_s: float, prompt_tokens: int,
               cost: CostCurve | None) -> dict:
     drafted_steps = sum(1 for d in total.draft_lengths if d > 0)
     reaching = [sum(1 for d in total.draft_lengths if d > i) for i in range(len(total.accepted_at))]
-    row = {"pairs": len(per_pair), "steps": total.steps, "emitted": total.new_tokens, "drafted": total.drafted,
-           "accepted": total.accepted, "mean_accepted_length": total.mean_accepted_length,
-           "acceptance_rate": total.acceptance_rate,
-           "drafted_per_emitted": total.drafted / max(total.new_tokens, 1),
-           "us_per_step": 1e6 * total.proposer_s / max(total.steps, 1),
+    row = {"pairs": len(per_pair), **counts_row(total, drafted_steps, reaching),
            "build_us_per_prompt_token": 1e6 * build_s / max(prompt_tokens, 1),
-           "accepted_at": total.accepted_at, "steps_drafting": drafted_steps, "drafts_reaching": reaching,
-           "per_position_acceptance": [a / max(drafted_steps, 1) for a in total.accepted_at],
            "mean_accepted_length_per_pair": spread(per_pair)}
     if cost is not None:
         row["estimated_speedup"] = estimated_speedup(total, cost)
@@ -159,15 +154,16 @@ def markdown(result: dict) -> str:
                          else "" for n in names]
                 lines.append(f"| {s} | " + " | ".join(cells) + " |")
             lines.append("")
+        positions = [i for i in (1, 2, 4, 8, 16, 32) if i <= cap]
         lines += [f"## cap {cap}: per-position acceptance, all sets pooled (kept at position i / steps that drafted)",
-                  "", "| proposer | " + " | ".join(f"pos {i}" for i in (1, 2, 4, 8, 16, 32) if i <= cap) + " |",
-                  "|---|" + "---|" * len([i for i in (1, 2, 4, 8, 16, 32) if i <= cap])]
+                  "", "| proposer | " + " | ".join(f"pos {i}" for i in positions) + " |",
+                  "|---|" + "---|" * len(positions)]
         for n in names:
             if ("all", n, cap) not in get:
                 continue
             acc = get[("all", n, cap)]["per_position_acceptance"]
-            lines.append(f"| {n} | " + " | ".join(f"{acc[i - 1]:.2f}" if i - 1 < len(acc) else "0.00"
-                                                  for i in (1, 2, 4, 8, 16, 32) if i <= cap) + " |")
+            cells = [f"{acc[i - 1]:.2f}" if i - 1 < len(acc) else "0.00" for i in positions]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -329,12 +325,7 @@ def pool(rows: list[dict], cost) -> dict:
     drafted_steps = sum(r["steps_drafting"] for r in rows)
     n = max((len(r["drafts_reaching"]) for r in rows), default=0)
     reaching = [sum(r["drafts_reaching"][i] for r in rows if i < len(r["drafts_reaching"])) for i in range(n)]
-    out = {"pairs": sum(r["pairs"] for r in rows), "steps": total.steps, "emitted": total.new_tokens,
-           "drafted": total.drafted, "accepted": total.accepted, "mean_accepted_length": total.mean_accepted_length,
-           "acceptance_rate": total.acceptance_rate, "drafted_per_emitted": total.drafted / max(total.new_tokens, 1),
-           "us_per_step": 1e6 * total.proposer_s / max(total.steps, 1),
-           "accepted_at": total.accepted_at, "steps_drafting": drafted_steps, "drafts_reaching": reaching,
-           "per_position_acceptance": [a / max(drafted_steps, 1) for a in total.accepted_at]}
+    out = {"pairs": sum(r["pairs"] for r in rows), **counts_row(total, drafted_steps, reaching)}
     if cost is not None:
         # modelled times add up across sets: speed-up of the pooled work
         plain = sum(r["emitted"] for r in rows) * cost(1)

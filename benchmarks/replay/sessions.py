@@ -42,7 +42,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.harness.workloads import clapnq_passages, data_dir, maybe_list, read_jsonl, user_turn
+from benchmarks.harness import workloads
+from benchmarks.harness.workloads import data_dir, read_jsonl, redundant_answers, redundant_questions, user_turn
 
 
 @dataclass
@@ -62,18 +63,6 @@ class Workload:
     name: str
     sessions: list[list[Step]]
     references: dict[str, str] = field(default_factory=dict)   # name -> text, registered before the first step
-
-
-def _answers(file: str) -> dict[str, list[str]]:
-    out = {}
-    for row in read_jsonl(data_dir() / "copyspec_mt_redundant" / "model_answer" / f"{file}.jsonl"):
-        out[str(row["question_id"])] = maybe_list(maybe_list(row["choices"])[0]["turns"])
-    return out
-
-
-def _questions() -> dict[str, list[str]]:
-    return {str(r["question_id"]): maybe_list(r["turns"])
-            for r in read_jsonl(data_dir() / "copyspec_mt_redundant" / "question_redundant.jsonl")}
 
 
 def _code(text: str) -> str:
@@ -96,11 +85,11 @@ EDIT_INSTRUCTIONS = [
 
 def mt_redundant(stateless: bool, limit: int | None, files=tuple(REDUNDANT)) -> Workload:
     """One session (one memory) per answer file: its chats' turn 1 and turn 2 in order."""
-    qs = _questions()
+    qs = redundant_questions()
     sessions = []
     for file in files:
         steps = []
-        for qid, ans in list(_answers(file).items())[:limit]:
+        for qid, ans in list(redundant_answers(file).items())[:limit]:
             t1, t2 = qs[qid][:2]
             if len(ans) < 2 or not ans[0].strip() or not ans[1].strip():
                 continue
@@ -114,10 +103,10 @@ def mt_redundant(stateless: bool, limit: int | None, files=tuple(REDUNDANT)) -> 
 
 def rerun(limit: int | None, runs=tuple(RERUNS)) -> Workload:
     """One session per (first run, second run) pair of answer files: run 1 fills the memory, run 2 is scored."""
-    qs = _questions()
+    qs = redundant_questions()
     sessions = []
     for first, second in runs:
-        a, b = _answers(first), _answers(second)
+        a, b = redundant_answers(first), redundant_answers(second)
         steps = [Step(user_turn(qs[q][0]), a[q][0], "run1", score=False) for q in list(a)[:limit] if a[q][0].strip()]
         steps += [Step(user_turn(qs[q][0]), b[q][0], "run2") for q in list(b)[:limit] if q in qs and b[q][0].strip()]
         sessions.append(steps)
@@ -157,19 +146,10 @@ def edit_chain(limit: int | None, min_chars: int = 200, max_chars: int = 600) ->
 
 def rag_clapnq(question_only: bool, limit: int | None, n_references: int | None = None) -> Workload:
     """ClapNQ answers, with the passages of the first n_references rows (default: the requests' own) registered."""
-    rows = list(read_jsonl(data_dir() / "clapnq" / "clapnq_dev_answerable.jsonl"))
-    registered = rows[:limit if n_references is None else n_references]
-    refs = {f"clapnq/{row['id']}": clapnq_passages(row) for row in registered}
-    steps = []
-    for row in rows[:limit]:
-        context = clapnq_passages(row)
-        answers = maybe_list(row["output"])
-        ref = answers[0].get("answer") if answers and isinstance(answers[0], dict) else None
-        if not ref:
-            continue
-        text = (f"Answer the question.\n\nQuestion: {row['input']}" if question_only else
-                f"Answer the question using the passage.\n\nPassage:\n{context}\n\nQuestion: {row['input']}")
-        steps.append(Step(user_turn(text), ref, "answer"))
+    reqs = workloads.clapnq()
+    refs = {f"clapnq/{r.id}": r.meta["passages"] for r in reqs[:limit if n_references is None else n_references]}
+    steps = [Step(user_turn(f"Answer the question.\n\nQuestion: {r.meta['question']}") if question_only
+                  else r.messages, r.reference, "answer") for r in reqs[:limit] if r.reference]
     return Workload("rag_clapnq_question_only" if question_only else "rag_clapnq", [steps], refs)
 
 

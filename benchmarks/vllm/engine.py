@@ -72,7 +72,6 @@ METHODS: dict[str, dict | None] = {
 DEFAULT_METHODS = ["none", "ngram", "suffix", "lookup_decode"]
 
 ALIASES = {"code": "code_edit", "chat": "mt_bench", "summaries": "cnn_dm"}   # --cells shorthands
-DEFAULT_CELLS = ["code:1", "code:8", "chat:1", "chat:8"]
 
 # The environment of every engine process. HF_HUB_OFFLINE: nothing is downloaded. The thread counts are the CPU
 # defaults (--threads): in-process torch keeps 2 OpenMP threads that spin-wait on a busy 2-core box (445 instead

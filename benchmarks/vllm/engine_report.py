@@ -212,8 +212,7 @@ def goals(summary: dict, replay: dict | None = None) -> list[dict]:
                 clear.append(s["min"] >= need if s["median"] >= need else s["max"] < need)
                 parts.append(f"{w} b{b} {phase}: {OURS} {rows[OURS]['tok_s']['median']:.1f} vs {m} "
                              f"{rows[m]['tok_s']['median']:.1f} tok/s, paired {_ratio_text(s)} (need x{need:g})")
-        out.append({"goal": goal, "met": all(ok) if ok else None, "clear": all(clear) if clear else None,
-                    "detail": "; ".join(parts) or "not measured"})
+        out.append(_goal(goal, ok, parts, all(clear) if clear else None))
 
     code = [(w, b) for w in summary if w in CODE_WORKLOADS for b in summary[w]]
     chat = [(w, b) for w in summary if w in CHAT_WORKLOADS for b in summary[w]]
@@ -242,10 +241,9 @@ def goals(summary: dict, replay: dict | None = None) -> list[dict]:
         ok.append(n > 0)
         if not n:
             parts.append(f"{m}: no draft token kept in any cell")
-    detail = "; ".join(parts) or (f"{len(ok) - len(kept)} method cells, all identical; every drafter had drafts kept"
-                                  if ok else "not measured")
-    out.append({"goal": "every output identical to no speculation, with drafts accepted",
-                "met": all(ok) if ok else None, "clear": None, "detail": detail})
+    if ok and not parts:
+        parts = [f"{len(ok) - len(kept)} method cells, all identical; every drafter had drafts kept"]
+    out.append(_goal("every output identical to no speculation, with drafts accepted", ok, parts))
 
     parts, ok = [], []
     for w, bs in summary.items():
@@ -254,8 +252,7 @@ def goals(summary: dict, replay: dict | None = None) -> list[dict]:
             ok.append(row["drafter_share"] <= 0.05)
             parts.append(f"{w} b8: {100 * row['drafter_share']:.2f}% ({row['drafter_ms_per_step']:.2f} ms per step, "
                          f"worst call {_f(row['drafter_ms_worst'], '.1f')} ms)")
-    out.append({"goal": "drafter <= 5% of the step at batch 8", "met": all(ok) if ok else None, "clear": None,
-                "detail": "; ".join(parts) or "not measured"})
+    out.append(_goal("drafter <= 5% of the step at batch 8", ok, parts))
 
     parts, ok = [], []
     for w, bs in summary.items():
@@ -266,9 +263,8 @@ def goals(summary: dict, replay: dict | None = None) -> list[dict]:
                 gap = cal.error(CALIBRATION_MIN_TOKENS)
                 ok.append(gap <= 0.05)
                 parts.append(f"{w} b{b}: worst gap {gap:.3f}")
-    out.append({"goal": "calibration: |mean predicted - share kept| <= 0.05 in every bin of >= 50 tokens (cold)",
-                "met": all(ok) if ok else None, "clear": None,
-                "detail": "; ".join(parts) or "not measured (no drafter calibration table, or no bin of 50 tokens)"})
+    out.append(_goal("calibration: |mean predicted - share kept| <= 0.05 in every bin of >= 50 tokens (cold)", ok,
+                     parts or ["not measured (no drafter calibration table, or no bin of 50 tokens)"]))
 
     parts, ok = [], []
     for clock, ws in (replay or {}).items():
@@ -278,9 +274,14 @@ def goals(summary: dict, replay: dict | None = None) -> list[dict]:
                 if b in ("1", "8") and row and row["share"] is not None:
                     ok.append(row["share"] >= 0.97)
                     parts.append(f"{clock} {w} b{b}: {100 * row['share']:.1f}%")
-    out.append({"goal": "replay: modelled >= 97% of the oracle-cut ceiling, both step costs, batch 1 and 8 (cold)",
-                "met": all(ok) if ok else None, "clear": None, "detail": "; ".join(parts) or "not measured"})
+    out.append(_goal("replay: modelled >= 97% of the oracle-cut ceiling, both step costs, batch 1 and 8 (cold)",
+                     ok, parts))
     return out
+
+
+def _goal(goal: str, ok: list[bool], parts: list[str], clear: bool | None = None) -> dict:
+    """One goal's entry: met when every check passed (None: none ran), its details joined."""
+    return {"goal": goal, "met": all(ok) if ok else None, "clear": clear, "detail": "; ".join(parts) or "not measured"}
 
 
 def goal_lines(gs: list[dict]) -> list[str]:
