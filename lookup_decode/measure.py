@@ -21,7 +21,7 @@ import numpy as np
 
 import lookup_decode
 from lookup_decode.core.cost import sync
-from lookup_decode.core.stats import CALIBRATION_MIN_TOKENS, DecodeStats  # noqa: F401  (the first: benchmarks' path)
+from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import eos_ids
 
 LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-dominated

@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from lookup_decode import Draft
 from lookup_decode.core import acceptance as A
+from lookup_decode.core.acceptance import bucket
 from lookup_decode.core.cost import CostCurve
-from lookup_decode.core.policy import DraftPolicy, bucket
+from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.core.stats import Calibration
 
 

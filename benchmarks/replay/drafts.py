@@ -48,12 +48,12 @@ from tqdm import tqdm
 from benchmarks.harness import baselines
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.harness.workloads import eos_of, real_pairs
-from lookup_decode.core.acceptance import N_BUCKETS
+from lookup_decode.core.acceptance import N_BUCKETS, bucket
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import CostCurve
 from lookup_decode.core.draft import kept_prefix
 from lookup_decode.core.index import SuffixIndex
-from lookup_decode.core.policy import DraftPolicy, bucket
+from lookup_decode.core.policy import DraftPolicy
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import as_token_array
 from lookup_decode.engines.hf.models import load_tokenizer

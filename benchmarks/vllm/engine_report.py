@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.core.stats import CALIBRATION_BINS, Calibration
-from lookup_decode.measure import CALIBRATION_MIN_TOKENS, spread
+from lookup_decode.core.stats import CALIBRATION_BINS, CALIBRATION_MIN_TOKENS, Calibration
+from lookup_decode.measure import spread
 
 # The method names the results use, in table order; MEMORY_METHODS remember outputs across requests (the run gives
 # them a fresh engine per cell, so a cold cell is cold).

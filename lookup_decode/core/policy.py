@@ -20,7 +20,6 @@ from lookup_decode.core.draft import Draft, kept_prefix
 
 # Forward sizes (1 + draft length) of a compiled forward: log2(k) + 1 shapes instead of k + 1.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-bucket = A.bucket                              # the match-length buckets of the acceptance model
 
 
 def ragged_lengths(p_kept: np.ndarray, available: np.ndarray, token_cost: float) -> np.ndarray:
