@@ -77,7 +77,7 @@ class DraftModelProposer:
             return Draft(np.zeros(0, np.int32))
         cached = self.cache.get_seq_length()
         logits = self._forward(self.tokens[cached:])          # bring the cache up to every accepted token
-        if cached == 0 and has_recurrent_state(self.cache):   # the first forward is the one that creates states
+        if has_recurrent_state(self.cache):
             raise UnsupportedCacheError(f"{type(self.model).__name__}: a draft model with a recurrent state cannot "
                                         "roll its drafts back; use a draft model with attention layers only")
         draft, rows = [], []
