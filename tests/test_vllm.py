@@ -578,6 +578,28 @@ def test_the_keeper_writes_memory_save_within_save_seconds_with_no_further_call(
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
 
 
+def test_the_keeper_logs_the_summary_once_idle_at_most_every_summary_seconds(monkeypatch, caplog):
+    """vLLM's server force-kills its worker at shutdown, so the summary at exit never shows there: once the engine
+    is idle after drafting the keeper logs it at INFO, once per idle period and at most every SUMMARY_SECONDS."""
+    monkeypatch.setattr(keeper, "IDLE_SECONDS", 0.1)
+    monkeypatch.setattr(keeper, "SUMMARY_SECONDS", 0.0)
+    drafter = _drafter(4, lv.Settings())
+    tokens = np.zeros((1, 64), np.int32)
+    tokens[0, :10] = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+
+    def summaries() -> list:
+        return [r for r in caplog.records if "drafter summary" in r.message and r.levelno == logging.INFO]
+
+    with caplog.at_level(logging.INFO, logger="lookup_decode.vllm"):
+        drafter.propose([[4]], np.array([10]), tokens)
+        for _ in range(100):                        # the keeper thread ticks every IDLE_SECONDS / 4
+            if summaries():
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)                             # idle on: no second line without a new step
+    assert len(summaries()) == 1 and "1 steps" in summaries()[0].message
+
+
 def test_a_failing_save_is_logged_and_never_raised(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(keeper, "IDLE_SECONDS", 0.1)
     drafter = _drafter(4, lv.Settings(memory_save=str(tmp_path / "no" / "such" / "dir.npz"), save_seconds=0.1,

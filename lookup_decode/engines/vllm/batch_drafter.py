@@ -438,7 +438,7 @@ class BatchDrafter:
         if not self._shut:
             self._shut = True
             self.flush(everything=True)
-            log.info("lookup_decode: drafter summary: %s", self.stats.summary(calibration=False))
+            self.keeper.log_summary(time.monotonic())
 
     @property
     def live_requests(self) -> int:

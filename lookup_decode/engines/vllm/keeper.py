@@ -11,7 +11,8 @@ runs instead of atexit) stores the live requests and writes once more where the 
 thread also evicts from a nearly full memory aside (`Memory.evict_aside`: the O(bound) index rebuild off the
 step), and when the engine has made no call for IDLE_SECONDS it asks the drafter to store the outputs of the
 requests still known (`on_idle`: the last request of a burst, finished at a stop string, leaves no later call to
-notice it). Failures are logged, never raised.
+notice it). Idle after drafting, at most once every SUMMARY_SECONDS, it logs the drafter's summary at INFO: the
+summary an exit would log never shows in a server whose worker is force-killed. Failures are logged, never raised.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lookup_decode.sources.memory import Memory, load_memory
 
 log = logging.getLogger("lookup_decode.vllm")
 IDLE_SECONDS = 1.0      # no propose call for this long: the engine is idle, its known requests' outputs are stored
+SUMMARY_SECONDS = 60.0  # at most this often, once idle after drafting: the drafter's summary at INFO
 
 
 def memory_files(value: str | None) -> list[str]:
@@ -57,6 +59,7 @@ class Keeper:
         self.due = False                        # write at the thread's next turn (the batch emptied)
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
+        self.summarized, self.summarized_at = 0, self.saved_at  # steps in the last summary logged, and when
         self._on_idle = weakref.WeakMethod(on_idle) if on_idle is not None else None
         if on_exit is not None:
             ref = weakref.WeakMethod(on_exit)
@@ -127,6 +130,10 @@ class Keeper:
             scoped = list(self.scopes.values())
         for memory in [self.memory, *scoped]:
             memory.evict_aside()                    # takes the memory's lock only to choose and to swap
+        with self.lock:
+            if self.stats.steps > self.summarized and now - self.called_at >= IDLE_SECONDS \
+                    and now - self.summarized_at >= SUMMARY_SECONDS:
+                self.log_summary(now)
         if not self.persists:
             return
         with self.lock:
@@ -141,6 +148,11 @@ class Keeper:
                 return
             self.due, pending, snapshot = False, self.unsaved, self.memory.snapshot()
         self.write(snapshot, self.memory_save, pending)
+
+    def log_summary(self, now: float) -> None:
+        """The drafter's summary, one line at INFO (calibration: `drafter.stats.summary()`)."""
+        self.summarized, self.summarized_at = self.stats.steps, now
+        log.info("lookup_decode: drafter summary: %s", self.stats.summary(calibration=False))
 
     def save(self) -> None:
         """Write the memory to memory_save now (`persists` only)."""
