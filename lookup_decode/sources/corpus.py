@@ -123,8 +123,7 @@ class Corpus:
         if arr.size and int(arr.max()) == SEPARATOR:
             raise ValueError(f"{what} hold id {SEPARATOR}, reserved as the separator between entries")
         if self.vocab_size is not None and arr.size and int(arr.max()) >= self.vocab_size:
-            raise ValueError(f"{what} hold token id {int(arr.max())}, unknown to a vocabulary of "
-                             f"{self.vocab_size} ids")
+            raise ValueError(f"{what} hold token id {int(arr.max())}, unknown to a vocabulary of {self.vocab_size} ids")
         return arr
 
     def _append(self, entry: Entry) -> None:

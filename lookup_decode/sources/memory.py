@@ -87,7 +87,9 @@ class Memory(Corpus):
                 self._entries[key].last_used = self.clock
                 return key, False
             if self._n_tokens + arr.size > self.max_tokens:
-                self._evict(int(LOW_WATER * self.max_tokens) - arr.size)
+                gone = least_useful(self._entries.values(), int(LOW_WATER * self.max_tokens) - arr.size)
+                self.evicted += len(gone)
+                self._remove(gone)
             self._append(Entry(key, arr, added=self.clock, last_used=self.clock))
             return key, True
 
@@ -97,16 +99,6 @@ class Memory(Corpus):
         if self.remember_prompts:
             self.add(prompt)
         return self.store(output, replaces=replaces)[0]
-
-    def _evict(self, budget: int) -> None:
-        """Drop least recently useful entries until at most `budget` tokens remain (caller holds the lock)."""
-        gone = self._least_useful(budget)
-        self.evicted += len(gone)
-        self._remove(gone)
-
-    def _least_useful(self, budget: int) -> list[str]:
-        """The keys `_evict(budget)` drops, in eviction order (caller holds the lock)."""
-        return least_useful(self._entries.values(), budget)
 
     def evict_aside(self) -> int:
         """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
@@ -118,7 +110,7 @@ class Memory(Corpus):
         with self._lock:
             if self._n_tokens <= HIGH_WATER * self.max_tokens:
                 return 0
-            gone = set(self._least_useful(int(LOW_WATER * self.max_tokens)))
+            gone = set(least_useful(self._entries.values(), int(LOW_WATER * self.max_tokens)))
             kept = [e for e in self._entries.values() if e.key not in gone]
             seen, clock = set(self._entries), self.clock
         index = SuffixIndex(min_match=1, max_match=2**31 - 1)
@@ -135,7 +127,7 @@ class Memory(Corpus):
             return evicted
 
     def _load_keep(self, header: dict, lengths) -> list[bool]:
-        """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
+        """The entries a load indexes: over max_tokens, the eviction rule of `store` is applied to the saved
         metadata first, so a large file never gets indexed whole just to be cut down."""
         if sum(int(n) for n in lengths) <= self.max_tokens:
             return [True] * len(lengths)

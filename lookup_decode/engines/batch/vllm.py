@@ -135,7 +135,6 @@ class VllmEngine:
         ready, out = tokenized(items, self.tokenizer, self.max_model_len, "the engine's max_model_len",
                                self.job.max_new_tokens)
         for item, ids, n in ready:
-            base = {"id": item["id"], "line": item["line"]}
             # The drafter reads a record's prediction from the request (engines/vllm/request_args.py).
             extra = {PREDICTION: item["prediction"]} if item.get("prediction") and not self.job.plain else None
             params = SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(self.eos), detokenize=False,
@@ -146,7 +145,7 @@ class VllmEngine:
                 (prompt,) = engine.renderer.render_cmpl([{"prompt_token_ids": ids}])   # vLLM's own checks
                 engine.add_request(request_id, prompt, params)
             except Exception as e:                              # noqa: BLE001  (vLLM refused this request)
-                out.append({**base, "error": f"{type(e).__name__}: {e}"})
+                out.append({"id": item["id"], "line": item["line"], "error": f"{type(e).__name__}: {e}"})
                 continue
             live[request_id] = (item, ids)
         if live:
