@@ -216,11 +216,10 @@ class Corpus:
         keep = obj._load_keep(header, lengths)
         with obj._lock:
             for i, key in enumerate(header["keys"]):
-                if not keep[i]:
-                    continue
-                arr = obj._tokens(pieces[i], f"entry {key!r} of {path}")
-                obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
-                                  accepted=header["accepted"][i]))
+                if keep[i]:
+                    arr = obj._tokens(pieces[i], f"entry {key!r} of {path}")
+                    obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
+                                      accepted=header["accepted"][i]))
             obj.clock = header["clock"]
         return obj
 

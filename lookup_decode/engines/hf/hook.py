@@ -207,8 +207,7 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
                    model_kwargs, inputs_tensor=None):
     _check_request(model, input_ids, generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is None:
-        cache = new_cache(model)
+    cache = new_cache(model) if cache is None else cache
     check_croppable(cache, model)
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
@@ -219,7 +218,6 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     else:
         input_name, extra = "input_ids", None
         if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
-            encdec.check_proposer(model, call.proposer)
             source = encdec.source_ids(model, inputs_tensor, model_kwargs)
             input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
         forward = SequenceForward(model, cache, logits_processor, do_sample=do_sample, generator=call.generator,
