@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from lookup_decode.cli import check_at_least
+from lookup_decode.cli import check_at_least, exits_on
 from lookup_decode.core.config import LookupConfig
 
 DEFAULTS = LookupConfig()      # every command's lookup options default to the library's
@@ -57,10 +57,8 @@ def lookup_config(args) -> LookupConfig:
     given = {name: getattr(args, name) for name in ("k", "min_match", "max_match") if hasattr(args, name)}
     if hasattr(args, "no_adaptive"):
         given["adaptive"] = not args.no_adaptive
-    try:
+    with exits_on(TypeError, ValueError):
         return LookupConfig(**given)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,31 +181,25 @@ def cmd_run(args) -> int:
               threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
               lookup=lookup_config(args), references=args.references, plain=args.plain, engine=args.engine,
               memory=not args.no_memory, dtype=args.dtype, **{name: getattr(args, name) for name in VLLM_ONLY})
-    try:            # run() checks a vLLM job (`batch.vllm.check_job`) before it reads or runs anything
+    # run() checks a vLLM job (`batch.vllm.check_job`) before it reads or runs anything
+    with exits_on(FileNotFoundError, ValueError, RuntimeError):
         summary = run(job, args.input, args.output, use_ray=args.ray or args.ray_address is not None,
                       ray_address=args.ray_address, actors=args.actors, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
     print(f"--- {summary.line()}", file=sys.stderr)
     return 0
 
 
 def cmd_export(args) -> int:
     from lookup_decode.engines.hf.models import ModelNotFoundError, export_hf
-    try:
+    with exits_on(ModelNotFoundError, FileExistsError, ValueError):
         folder = export_hf(args.folder, args.model, dtype=args.dtype)
-    except (ModelNotFoundError, FileExistsError, ValueError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
     print(f"--- saved {folder}", file=sys.stderr)
     return 0
 
 
 def _read_text(path: str, flag: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"lookup-decode: cannot read {flag}: {e}")
+    with exits_on(OSError, UnicodeDecodeError, prefix=f"lookup-decode: cannot read {flag}"):
+        return Path(path).read_text(encoding="utf-8")
 
 
 def _read_prompt(args) -> str:
@@ -258,12 +250,10 @@ def cmd_generate(args, loaded=None) -> int:
             config, prediction=prediction, tokenizer=tokenizer), **warm)
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    try:
+    with exits_on(ValueError):
         out, lookup_s, _ = timed_generate(model, input_ids, custom_generate=lookup_decode.lookup_decoding(
             config, stats=stats, generator=generator, streamer=streamer, prediction=prediction, tokenizer=tokenizer),
             **gen_kwargs)
-    except ValueError as e:
-        raise SystemExit(f"lookup-decode: {e}")
     result = {"text": tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True),
               "prompt_tokens": input_ids.shape[1], "stats": stats.as_dict()}
     if args.compare:

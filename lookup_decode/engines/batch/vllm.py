@@ -22,6 +22,7 @@ Nothing here imports vLLM at module level (the package is importable without it)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -173,10 +174,8 @@ class VllmEngine:
         except BaseException:
             # Nothing of this batch is written: a rerun does it again. Requests left in the engine are aborted
             # so that an engine that survives (a KeyboardInterrupt) does not run them into the next batch.
-            try:
+            with contextlib.suppress(Exception):                # the first error is the one to see
                 engine.abort_request([rid for rid in live if rid not in finished])
-            except Exception:                                   # noqa: BLE001  (the first error is the one to see)
-                pass
             raise
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
         return [output_record(item, ids, trim_at_eos(tokens[rid], self.eos).tolist(), self.tokenizer,
