@@ -51,6 +51,7 @@ class Memory(Corpus):
     """
 
     kind = "memory"
+    settings = ("max_tokens", "remember_prompts", "vocab_size")
 
     def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
@@ -59,9 +60,6 @@ class Memory(Corpus):
             raise TypeError(f"remember_prompts must be True or False, got {remember_prompts!r}")
         self.remember_prompts = remember_prompts
         self.evicted = 0                        # entries evicted so far
-
-    def _settings(self) -> dict:
-        return {"max_tokens": self.max_tokens, "remember_prompts": self.remember_prompts, "vocab_size": self.vocab_size}
 
     def add(self, tokens) -> bool:
         """Store one sequence of token ids (int [n]); True if it was new (a repeat only refreshes its entry)."""
@@ -142,7 +140,7 @@ class Memory(Corpus):
     def snapshot(self) -> "Memory":
         """A copy of the entries without an index (O(entries): the token arrays are shared, never written), for
         `save` to write while this memory goes on serving: a writer of it holds only the copy's lock."""
-        copy = Memory(self.max_tokens, remember_prompts=self.remember_prompts, vocab_size=self.vocab_size)
+        copy = Memory(**self._settings())
         with self._lock:
             copy._entries = {e.key: replace(e) for e in self._entries.values()}
             copy.clock, copy._n_tokens = self.clock, self._n_tokens
@@ -162,13 +160,11 @@ class References(Corpus):
     """
 
     kind = "references"
+    settings = ("max_tokens", "vocab_size")
 
     def __init__(self, *, max_tokens: int | None = None, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
         self.max_tokens = None if max_tokens is None else check_int("references max_tokens", max_tokens, 1)
-
-    def _settings(self) -> dict:
-        return {"max_tokens": self.max_tokens, "vocab_size": self.vocab_size}
 
     def register(self, name: str, text: str | None = None, *, tokens=None, tokenizer=None,
                  replace: bool = False) -> int:
@@ -240,9 +236,7 @@ def load_memory(paths, *, max_tokens: int = 1_000_000, vocab_size: int | None = 
             if str(path) in {str(p) for p in missing_ok}:
                 continue
             raise FileNotFoundError(f"no memory file at {path}")
-        loaded = Memory.load(path, max_tokens=max_tokens, vocab_size=None)
-        if vocab_size is not None:
-            loaded.check_vocab(vocab_size, f"the model (memory file {path})")
+        loaded = Memory.load(path, max_tokens=max_tokens, vocab_size=None, model_vocab=vocab_size)
         if memory is None:
             memory = loaded
             memory.vocab_size = vocab_size      # later insertions are checked against the model's vocabulary
@@ -265,9 +259,7 @@ def load_references(path, *, tokenizer=None, vocab_size: int | None = None) -> R
     for file in files:
         name = str(file.relative_to(root)) if root.is_dir() else file.name
         if file.suffix == ".npz":
-            loaded = References.load(file, vocab_size=None)
-            if vocab_size is not None:
-                loaded.check_vocab(vocab_size, f"the model (references file {file})")
+            loaded = References.load(file, vocab_size=None, model_vocab=vocab_size)
             for entry in loaded.entries():
                 refs.register(f"{name}:{entry.key}", tokens=entry.tokens)
             continue
