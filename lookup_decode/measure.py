@@ -194,10 +194,7 @@ def _cpu_name() -> str:
 
 
 def _cpu_count() -> int | None:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 # ------------------------------------------------------------------------ measuring prompts

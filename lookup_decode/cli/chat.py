@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lookup_decode.cli import exits_on
+
 
 def chat_loop(model, tokenizer, lines, memory, *, max_new_tokens: int = 256, system: str | None = None,
               streamer_factory=None, out=sys.stdout, err=sys.stderr, **lookup_options) -> list[dict]:
@@ -58,11 +60,9 @@ def cmd_chat(args) -> int:
     from lookup_decode.engines.hf.models import load_quietly
     from lookup_decode.sources.memory import load_memory
     path = Path(args.memory_file) if args.memory_file else None
-    try:
+    with exits_on(TypeError, ValueError):
         files = [path] if path is not None else []
         memory = load_memory(files, max_tokens=args.memory_tokens, missing_ok=files)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
     model, tokenizer = load_quietly(args.model, args.threads, args.dtype)
     interactive = sys.stdin.isatty()
 

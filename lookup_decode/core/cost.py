@@ -30,6 +30,7 @@ Every error here is a ValueError.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -257,14 +258,12 @@ class DiskCache:
         folder = self.path()
         if folder is None:
             return
-        try:
+        with contextlib.suppress(OSError):          # a read-only home must not break decoding
             folder.mkdir(parents=True, exist_ok=True)
             values = [None if not np.isfinite(v) else float(v) for v in seconds]
             tmp = folder / f".{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_text(json.dumps({"key": [str(k) for k in key], "seconds": values}))
             os.replace(tmp, folder / self.name(model, key))     # atomic: readers never see half a file
-        except OSError:
-            pass              # a read-only home must not break decoding
 
     def clear(self) -> None:
         folder = self.path()

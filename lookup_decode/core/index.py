@@ -171,10 +171,9 @@ class SuffixIndex:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if self._meta[K.MATCH_LEN] < self.min_match or max_tokens == 0:
             return Draft(np.zeros(0, np.int32), self.match_len)
-        start = int(self._meta[K.MATCH_END]) + 1
-        d = K.draft_length(self._toks, len(self), start, int(max_tokens), self.eos)
         branched = bool(K.match_branched(self._slink, self._shead, self._enext, self._meta))
-        return Draft(self._toks[start:start + d], self.match_len, branched=branched)      # Draft copies its tokens
+        return Draft(self.continuation(self._meta[K.MATCH_END], max_tokens, self.eos), self.match_len,
+                     branched=branched)
 
     # Matching another text against this one (session memory, reference documents): the index is
     # only read, so one index serves any number of cursors; `new_cursor` gives a fresh one.

@@ -65,6 +65,7 @@ class Corpus:
     """
 
     kind = "corpus"
+    settings = ("vocab_size",)     # the constructor keywords `save` keeps and `load` passes back
 
     def __init__(self, *, vocab_size: int | None = None):
         self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, 1)
@@ -123,8 +124,7 @@ class Corpus:
         if arr.size and int(arr.max()) == SEPARATOR:
             raise ValueError(f"{what} hold id {SEPARATOR}, reserved as the separator between entries")
         if self.vocab_size is not None and arr.size and int(arr.max()) >= self.vocab_size:
-            raise ValueError(f"{what} hold token id {int(arr.max())}, unknown to a vocabulary of "
-                             f"{self.vocab_size} ids")
+            raise ValueError(f"{what} hold token id {int(arr.max())}, unknown to a vocabulary of {self.vocab_size} ids")
         return arr
 
     def _append(self, entry: Entry) -> None:
@@ -174,7 +174,7 @@ class Corpus:
 
     # -- persistence -----------------------------------------------------------------------------
     def _settings(self) -> dict:
-        return {"vocab_size": self.vocab_size}
+        return {name: getattr(self, name) for name in self.settings}
 
     def save(self, path) -> None:
         """Write the entries (not the index: it is rebuilt on load) to `path` (.npz).
@@ -203,9 +203,10 @@ class Corpus:
                 raise
 
     @classmethod
-    def load(cls, path, **overrides):
+    def load(cls, path, *, model_vocab: int | None = None, **overrides):
         """A new corpus of this class from a file written by `save`; CorpusFileError when the file
-        is not one (foreign, corrupt, other kind or format version). `overrides` replace saved settings."""
+        is not one (foreign, corrupt, other kind or format version). `overrides` replace saved settings.
+        model_vocab: ValueError naming the file when an entry holds an id a model of that many ids does not know."""
         header, tokens, lengths = _read(path, cls.kind)
         try:
             obj = cls(**header["settings"])
@@ -217,12 +218,13 @@ class Corpus:
         keep = obj._load_keep(header, lengths)
         with obj._lock:
             for i, key in enumerate(header["keys"]):
-                if not keep[i]:
-                    continue
-                arr = obj._tokens(pieces[i], f"entry {key!r} of {path}")
-                obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
-                                  accepted=header["accepted"][i]))
+                if keep[i]:
+                    arr = obj._tokens(pieces[i], f"entry {key!r} of {path}")
+                    obj._append(Entry(key, arr, added=header["added"][i], last_used=header["last_used"][i],
+                                      accepted=header["accepted"][i]))
             obj.clock = header["clock"]
+        if model_vocab is not None:
+            obj.check_vocab(model_vocab, f"the model ({cls.kind} file {path})")
         return obj
 
     def _load_keep(self, header: dict, lengths: np.ndarray) -> list[bool]:

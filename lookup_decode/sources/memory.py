@@ -51,6 +51,7 @@ class Memory(Corpus):
     """
 
     kind = "memory"
+    settings = ("max_tokens", "remember_prompts", "vocab_size")
 
     def __init__(self, max_tokens: int = 1_000_000, *, remember_prompts: bool = False, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
@@ -59,9 +60,6 @@ class Memory(Corpus):
             raise TypeError(f"remember_prompts must be True or False, got {remember_prompts!r}")
         self.remember_prompts = remember_prompts
         self.evicted = 0                        # entries evicted so far
-
-    def _settings(self) -> dict:
-        return {"max_tokens": self.max_tokens, "remember_prompts": self.remember_prompts, "vocab_size": self.vocab_size}
 
     def add(self, tokens) -> bool:
         """Store one sequence of token ids (int [n]); True if it was new (a repeat only refreshes its entry)."""
@@ -87,7 +85,9 @@ class Memory(Corpus):
                 self._entries[key].last_used = self.clock
                 return key, False
             if self._n_tokens + arr.size > self.max_tokens:
-                self._evict(int(LOW_WATER * self.max_tokens) - arr.size)
+                gone = least_useful(self._entries.values(), int(LOW_WATER * self.max_tokens) - arr.size)
+                self.evicted += len(gone)
+                self._remove(gone)
             self._append(Entry(key, arr, added=self.clock, last_used=self.clock))
             return key, True
 
@@ -97,16 +97,6 @@ class Memory(Corpus):
         if self.remember_prompts:
             self.add(prompt)
         return self.store(output, replaces=replaces)[0]
-
-    def _evict(self, budget: int) -> None:
-        """Drop least recently useful entries until at most `budget` tokens remain (caller holds the lock)."""
-        gone = self._least_useful(budget)
-        self.evicted += len(gone)
-        self._remove(gone)
-
-    def _least_useful(self, budget: int) -> list[str]:
-        """The keys `_evict(budget)` drops, in eviction order (caller holds the lock)."""
-        return least_useful(self._entries.values(), budget)
 
     def evict_aside(self) -> int:
         """Evict as a full memory would (down to LOW_WATER of the bound, least recently useful first), but build
@@ -118,7 +108,7 @@ class Memory(Corpus):
         with self._lock:
             if self._n_tokens <= HIGH_WATER * self.max_tokens:
                 return 0
-            gone = set(self._least_useful(int(LOW_WATER * self.max_tokens)))
+            gone = set(least_useful(self._entries.values(), int(LOW_WATER * self.max_tokens)))
             kept = [e for e in self._entries.values() if e.key not in gone]
             seen, clock = set(self._entries), self.clock
         index = SuffixIndex(min_match=1, max_match=2**31 - 1)
@@ -135,7 +125,7 @@ class Memory(Corpus):
             return evicted
 
     def _load_keep(self, header: dict, lengths) -> list[bool]:
-        """The entries a load indexes: over max_tokens, the eviction rule of `_evict` is applied to the saved
+        """The entries a load indexes: over max_tokens, the eviction rule of `store` is applied to the saved
         metadata first, so a large file never gets indexed whole just to be cut down."""
         if sum(int(n) for n in lengths) <= self.max_tokens:
             return [True] * len(lengths)
@@ -150,7 +140,7 @@ class Memory(Corpus):
     def snapshot(self) -> "Memory":
         """A copy of the entries without an index (O(entries): the token arrays are shared, never written), for
         `save` to write while this memory goes on serving: a writer of it holds only the copy's lock."""
-        copy = Memory(self.max_tokens, remember_prompts=self.remember_prompts, vocab_size=self.vocab_size)
+        copy = Memory(**self._settings())
         with self._lock:
             copy._entries = {e.key: replace(e) for e in self._entries.values()}
             copy.clock, copy._n_tokens = self.clock, self._n_tokens
@@ -170,13 +160,11 @@ class References(Corpus):
     """
 
     kind = "references"
+    settings = ("max_tokens", "vocab_size")
 
     def __init__(self, *, max_tokens: int | None = None, vocab_size: int | None = None):
         super().__init__(vocab_size=vocab_size)
         self.max_tokens = None if max_tokens is None else check_int("references max_tokens", max_tokens, 1)
-
-    def _settings(self) -> dict:
-        return {"max_tokens": self.max_tokens, "vocab_size": self.vocab_size}
 
     def register(self, name: str, text: str | None = None, *, tokens=None, tokenizer=None,
                  replace: bool = False) -> int:
@@ -248,9 +236,7 @@ def load_memory(paths, *, max_tokens: int = 1_000_000, vocab_size: int | None = 
             if str(path) in {str(p) for p in missing_ok}:
                 continue
             raise FileNotFoundError(f"no memory file at {path}")
-        loaded = Memory.load(path, max_tokens=max_tokens, vocab_size=None)
-        if vocab_size is not None:
-            loaded.check_vocab(vocab_size, f"the model (memory file {path})")
+        loaded = Memory.load(path, max_tokens=max_tokens, vocab_size=None, model_vocab=vocab_size)
         if memory is None:
             memory = loaded
             memory.vocab_size = vocab_size      # later insertions are checked against the model's vocabulary
@@ -273,9 +259,7 @@ def load_references(path, *, tokenizer=None, vocab_size: int | None = None) -> R
     for file in files:
         name = str(file.relative_to(root)) if root.is_dir() else file.name
         if file.suffix == ".npz":
-            loaded = References.load(file, vocab_size=None)
-            if vocab_size is not None:
-                loaded.check_vocab(vocab_size, f"the model (references file {file})")
+            loaded = References.load(file, vocab_size=None, model_vocab=vocab_size)
             for entry in loaded.entries():
                 refs.register(f"{name}:{entry.key}", tokens=entry.tokens)
             continue

@@ -75,9 +75,7 @@ def branches(index: SuffixIndex, main: np.ndarray, k: int, width: int) -> list[n
         if first in used or first in eos:
             continue
         used.add(first)
-        b = t[ends[j] + 1: min(ends[j] + 1 + k, L)]
-        at_eos = np.flatnonzero(np.isin(b, index.eos))
-        out.append(b[: at_eos[0]].copy() if len(at_eos) else b.copy())
+        out.append(index.continuation(ends[j], k, index.eos))
     return out
 
 

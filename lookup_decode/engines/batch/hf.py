@@ -67,15 +67,13 @@ class HfEngine:
         kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad)
         stats, start = None, time.perf_counter()
         with torch.inference_mode():
-            if self.job.plain:
-                out = self.model.generate(input_ids, **kwargs)
-            else:
+            if not self.job.plain:
                 stats = lookup_decode.DecodeStats()
                 predictions = [item.get("prediction") for item, _, _ in group]
-                hook = lookup_decode.lookup_decoding(self.job.lookup, stats=stats, references=self.references,
-                                                     memory=self.memory, tokenizer=self.tokenizer,
-                                                     prediction=predictions if any(predictions) else None)
-                out = self.model.generate(input_ids, custom_generate=hook, **kwargs)
+                kwargs["custom_generate"] = lookup_decode.lookup_decoding(
+                    self.job.lookup, stats=stats, references=self.references, memory=self.memory,
+                    tokenizer=self.tokenizer, prediction=predictions if any(predictions) else None)
+            out = self.model.generate(input_ids, **kwargs)
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
         return [output_record(item, ids, trim_at_eos(out[b, P:], self.eos).tolist(), self.tokenizer,
                               stats.row_steps[b] if stats is not None else None, self.worker, self.batches, seconds)

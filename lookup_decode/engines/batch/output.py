@@ -5,6 +5,7 @@ line (power loss mid-write) is cut off when the file is opened again, and the ke
 line already there is remembered, so a record is never written twice.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -35,11 +36,8 @@ class Output:
             os.ftruncate(self.fd, end)
             self.repaired = len(data) - end
         for raw in data[:end].splitlines():
-            try:
-                record = json.loads(raw)
-                self.done.add(key_of(record))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue                  # not ours; left as it is
+            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):     # not ours: left as it is
+                self.done.add(key_of(json.loads(raw)))
 
     def write(self, record: dict) -> bool:
         """Append one record (False if its key is already in the file: never written twice)."""

@@ -171,11 +171,10 @@ def output_record(item, prompt_ids, new: list[int], tokenizer, steps: int | None
                   seconds: float) -> dict:
     """The output record of an item whose engine generated `new` (token ids, cut after the first EOS) in `steps`
     verify steps (None: no lookup), in its `batch`-th generate call on `worker`, which took `seconds`."""
-    return {
-        "id": item["id"], "line": item["line"], "text": tokenizer.decode(new, skip_special_tokens=True),
-        "new_tokens": len(new), "prompt_tokens": len(prompt_ids),
-        # tokens per verify step, the bonus token included (the prefill's first token excluded)
-        "mean_accepted_length": None if steps is None else round((len(new) - 1) / steps, 4) if steps else 1.0,
-        "steps": steps, "worker": worker,
-        # the generate call (vLLM: the engine run) that made this record: its number on this worker and its seconds
-        "batch": batch, "batch_s": round(seconds, 4)}
+    return {"id": item["id"], "line": item["line"], "text": tokenizer.decode(new, skip_special_tokens=True),
+            "new_tokens": len(new), "prompt_tokens": len(prompt_ids),
+            # tokens per verify step, the bonus token included (the prefill's first token excluded)
+            "mean_accepted_length": None if steps is None else round((len(new) - 1) / steps, 4) if steps else 1.0,
+            "steps": steps, "worker": worker,
+            # the generate call (vLLM: the engine run) that made this record: its number on this worker and its seconds
+            "batch": batch, "batch_s": round(seconds, 4)}

@@ -22,6 +22,7 @@ Nothing here imports vLLM at module level (the package is importable without it)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -135,7 +136,6 @@ class VllmEngine:
         ready, out = tokenized(items, self.tokenizer, self.max_model_len, "the engine's max_model_len",
                                self.job.max_new_tokens)
         for item, ids, n in ready:
-            base = {"id": item["id"], "line": item["line"]}
             # The drafter reads a record's prediction from the request (engines/vllm/request_args.py).
             extra = {PREDICTION: item["prediction"]} if item.get("prediction") and not self.job.plain else None
             params = SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(self.eos), detokenize=False,
@@ -146,7 +146,7 @@ class VllmEngine:
                 (prompt,) = engine.renderer.render_cmpl([{"prompt_token_ids": ids}])   # vLLM's own checks
                 engine.add_request(request_id, prompt, params)
             except Exception as e:                              # noqa: BLE001  (vLLM refused this request)
-                out.append({**base, "error": f"{type(e).__name__}: {e}"})
+                out.append({"id": item["id"], "line": item["line"], "error": f"{type(e).__name__}: {e}"})
                 continue
             live[request_id] = (item, ids)
         if live:
@@ -174,10 +174,8 @@ class VllmEngine:
         except BaseException:
             # Nothing of this batch is written: a rerun does it again. Requests left in the engine are aborted
             # so that an engine that survives (a KeyboardInterrupt) does not run them into the next batch.
-            try:
+            with contextlib.suppress(Exception):                # the first error is the one to see
                 engine.abort_request([rid for rid in live if rid not in finished])
-            except Exception:                                   # noqa: BLE001  (the first error is the one to see)
-                pass
             raise
         seconds, self.batches = time.perf_counter() - start, self.batches + 1
         return [output_record(item, ids, trim_at_eos(tokens[rid], self.eos).tolist(), self.tokenizer,

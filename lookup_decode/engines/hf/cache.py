@@ -47,10 +47,9 @@ class UnsupportedCacheError(ValueError):
 def cache_argument(model) -> str:
     """Name of the forward() argument that takes the cache: 'cache' (transformers >= 5.x) or 'past_key_values'."""
     params = inspect.signature(model.forward).parameters
-    if "cache" in params:
-        return "cache"
-    if "past_key_values" in params:
-        return "past_key_values"
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
     raise UnsupportedCacheError(f"{type(model).__name__}.forward takes no KV cache argument")
 
 
@@ -205,11 +204,9 @@ def keep_tree_path(cache, past: int, path: list[int], n_nodes: int) -> None:
 
     The cache holds past + 1 + n_nodes positions (the forward over [root, nodes]) on entry.
     """
+    keep = torch.cat([torch.arange(past + 1), past + 1 + torch.tensor(path, dtype=torch.long)])
     for layer in _layers(cache):
         if not isinstance(layer, DynamicLayer) or layer.keys.shape[-2] != past + 1 + n_nodes:
             raise UnsupportedCacheError(f"tree verification needs full-attention DynamicLayers holding "
                                         f"{past + 1 + n_nodes} positions, got {type(layer).__name__}")
-        keep = torch.cat([torch.arange(past + 1), past + 1 + torch.tensor(path, dtype=torch.long)])
-        keep = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, keep)
-        layer.values = layer.values.index_select(-2, keep)
+        layer.keys, layer.values = (x.index_select(-2, keep.to(x.device)) for x in (layer.keys, layer.values))

@@ -23,6 +23,7 @@ from lookup_decode.engines.hf.cache import (
     has_recurrent_state,
     new_cache,
 )
+from lookup_decode.engines.hf.forward import vocab_size
 
 
 class DraftModelProposer:
@@ -52,8 +53,10 @@ class DraftModelProposer:
 
     def check_compatible(self, target_model) -> None:
         """Clear errors for a draft model that cannot serve this target."""
-        target_vocab = target_model.get_output_embeddings().weight.shape[0]
-        draft_vocab = self.model.get_output_embeddings().weight.shape[0]
+        if getattr(target_model.config, "is_encoder_decoder", False):
+            raise ValueError(f"{type(target_model).__name__}: draft-model proposers are not supported for "
+                             "encoder-decoder models; use the default lookup proposer")
+        target_vocab, draft_vocab = vocab_size(target_model), vocab_size(self.model)
         if target_vocab != draft_vocab:
             raise ValueError(f"the draft model's vocabulary ({draft_vocab} ids) differs from the target's "
                              f"({target_vocab}); the draft model must share the target's tokenizer")
@@ -67,8 +70,7 @@ class DraftModelProposer:
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=x, **{self._cache_arg: self.cache}, use_cache=True)
-        return out.logits[0, -1].float()
+        return self.model(input_ids=x, **{self._cache_arg: self.cache}, use_cache=True).logits[0, -1].float()
 
     @torch.inference_mode()
     def propose(self, max_tokens: int) -> Draft:

@@ -40,9 +40,3 @@ def decoder_forward_kwargs(model, model_kwargs) -> dict:
         raise ValueError(f"{type(model).__name__}: lookup_decode does not support decoder_attention_mask")
     return kwargs
 
-
-def check_proposer(model, proposer) -> None:
-    from lookup_decode.engines.hf.draft_model import DraftModelProposer
-    if isinstance(proposer, DraftModelProposer):
-        raise ValueError(f"{type(model).__name__}: draft-model proposers are not supported for "
-                                    "encoder-decoder models; use the default lookup proposer")

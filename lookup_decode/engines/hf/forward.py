@@ -300,8 +300,7 @@ def check_batch_memory(model, batch: int, max_length: int, k: int, hole_share: f
     need = batch_memory_bytes(model, batch, max_length, k, hole_share, min_holes)
     if need is None:
         return                                    # cannot estimate: let it run
-    if available_bytes is None:
-        available_bytes = _free_memory(next(model.parameters()).device)
+    available_bytes = _free_memory(next(model.parameters()).device) if available_bytes is None else available_bytes
     if need > available_bytes:
         raise ValueError(
             f"a batch of {batch} rows x {max_length} tokens needs about {need / 2**30:.1f} GiB of KV cache and "

@@ -143,15 +143,12 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
             if isinstance(d, DraftModelProposer):
                 d.check_compatible(model)
         return drafters
-    eos = eos_ids(generation_config)
-    drafters = [SuffixIndex(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
-                for _ in range(rows)]
+    match = dict(min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos_ids(generation_config))
     # Session memory / reference documents (memory.py, sources.py), and each row's own prediction.
     vocab = vocab_size(model)
     sources = [call.sources + (((PREDICTION, p),) if p is not None else ())
                for p in _predictions(call.prediction, rows, call.tokenizer, vocab)]
-    return [with_sources(d, s, vocab, min_match=options.min_match, max_match=options.max_match, eos_token_ids=eos)
-            if s else d for d, s in zip(drafters, sources)]
+    return [with_sources(SuffixIndex(**match), s, vocab, **match) if s else SuffixIndex(**match) for s in sources]
 
 
 def _predictions(prediction, rows: int, tokenizer, vocab_size: int) -> list:
@@ -185,8 +182,7 @@ def _policy(k: int, generation_config, model) -> DraftPolicy:
     return DraftPolicy(k, temperature=t, counts=counts)
 
 
-def _batch_forward(model, input_ids, logits_processor, generation_config, streamer, call: _Call, cache,
-                   model_kwargs):
+def _batch_forward(model, input_ids, logits_processor, generation_config, streamer, call: _Call, cache, model_kwargs):
     """Batches (or a left-padded row): (BatchForward, pad token id, bool prompt mask [B, P]); ragged acceptance,
     see forward.BatchForward."""
     options = call.options
@@ -211,8 +207,7 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
                    model_kwargs, inputs_tensor=None):
     _check_request(model, input_ids, generation_config, model_kwargs)
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is None:
-        cache = new_cache(model)
+    cache = new_cache(model) if cache is None else cache
     check_croppable(cache, model)
     if cache.get_seq_length() != 0:
         raise ValueError("lookup_decode starts from an empty cache; a pre-filled cache was passed")
@@ -223,7 +218,6 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
     else:
         input_name, extra = "input_ids", None
         if encdec.is_encoder_decoder(model):     # the decoder verifies; drafts may copy the encoder's input
-            encdec.check_proposer(model, call.proposer)
             source = encdec.source_ids(model, inputs_tensor, model_kwargs)
             input_name, extra = "decoder_input_ids", encdec.decoder_forward_kwargs(model, model_kwargs)
         forward = SequenceForward(model, cache, logits_processor, do_sample=do_sample, generator=call.generator,

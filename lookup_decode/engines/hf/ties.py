@@ -98,6 +98,5 @@ def rounding_spread(model, ids: torch.Tensor, start: int, wide: int = WIDE) -> t
               for s in range(start - 1, ids.shape[1] - 1, wide)]
     many = torch.cat(blocks)[: len(one)]                     # the same positions, WIDE tokens per forward
     top2 = one.topk(2, dim=-1).indices
-    gap_one = one.gather(1, top2[:, :1]) - one.gather(1, top2[:, 1:])
-    gap_many = many.gather(1, top2[:, :1]) - many.gather(1, top2[:, 1:])
+    gap_one, gap_many = (x.gather(1, top2[:, :1]) - x.gather(1, top2[:, 1:]) for x in (one, many))
     return (gap_one - gap_many).abs().flatten()
