@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 import lookup_decode
-from lookup_decode.core.cost import sync
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import calibrating_tokens, sync
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.core.tokens import eos_ids
 
@@ -90,6 +91,14 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
                                               eos_token_ids=eos_ids(model.generation_config))
     out, seconds, stats = timed_generate(model, input_ids, lookup, **kwargs)
     return Run(variant.name, out[0, input_ids.shape[1]:].tolist(), seconds, stats)
+
+
+def warm_up(model, input_ids, variant: Variant, max_new_tokens: int) -> None:
+    """An untimed run of `variant` that leaves nothing one-time to its timed runs of up to max_new_tokens:
+    first-use allocations, numba's compilation and lookup decoding's forward-cost calibration of every width a
+    timed run verifies (`cost.calibrating_tokens`)."""
+    k = (variant.lookup or {}).get("k", LookupConfig.k)
+    run_variant(model, input_ids, variant, min(max_new_tokens, 4 if variant.lookup is None else calibrating_tokens(k)))
 
 
 def interleaved_order(variants: list[str], repeats: int, offset: int = 0) -> list[tuple[int, str]]:

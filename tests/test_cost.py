@@ -160,3 +160,33 @@ def test_the_timed_curve_sets_the_draft_length(regime, q, chosen):
     curve = CostCurve.from_timings(lambda w: float(np.interp(w, widths, rel)), 33)
     p = np.cumprod(np.full((1, 32), q), axis=1)
     assert DraftPolicy(32, curve).choose([Draft(np.arange(32), 4)], p=p) in chosen
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_warm_up_leaves_no_calibration_to_the_timed_call(tiny_llama, rows):
+    """A call times only the widths it can run (max_new_tokens - 1): the CLI's and the benchmarks' 4-16 token
+    warm-ups left the whole calibration to the first timed call (0.7 s of the README job's 5 s). `warm_up` runs
+    long enough (`calibrating_tokens`) that the timed call finds its curve (the same one, not a re-timed one)."""
+    from lookup_decode.core.cost import calibrating_tokens
+    from lookup_decode.measure import Variant, warm_up
+
+    ids = torch.randint(3, 96, (rows, 40), generator=torch.Generator().manual_seed(0))
+    costs, key = lookup_decode.COSTS, CostModel.key(tiny_llama, rows)
+
+    def call(n):
+        tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            pad_token_id=0, custom_generate=lookup_decode.generate)
+        return costs.known(tiny_llama)[key]
+    costs.reset(tiny_llama, disk=True)           # (the test's own disk cache, too)
+    try:
+        short = call(4)
+        assert call(60) is not short                 # the bug: the timed call re-timed every width
+        costs.reset(tiny_llama, disk=True)
+        if rows == 1:
+            warm_up(tiny_llama, ids, Variant("lookup_decode", lookup={}), 60)
+            warmed = costs.known(tiny_llama)[key]
+        else:
+            warmed = call(calibrating_tokens(32))
+        assert call(60) is warmed
+    finally:
+        costs.reset(tiny_llama)

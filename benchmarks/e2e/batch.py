@@ -28,6 +28,8 @@ from benchmarks.harness.metrics import Timeline
 from benchmarks.harness.model import add_model_arguments, device_of
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import calibrating_tokens
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.measure import command_line, environment, loop_score, timed_generate
 
@@ -70,8 +72,8 @@ def timed(model, ids, mask, max_new_tokens: int, pad: int, lookup: bool):
 def measure(model, tokenizer, ids, mask, max_new_tokens: int, repeats: int) -> dict:
     eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | {model.generation_config.eos_token_id} - {None}
     pad = tokenizer.pad_token_id
-    for lookup in (False, True):                                        # warm-up of this batch shape
-        timed(model, ids, mask, min(max_new_tokens, 8), pad, lookup)
+    for lookup in (False, True):      # warm-up of this batch shape (lookup: its cost calibration, every width)
+        timed(model, ids, mask, min(max_new_tokens, calibrating_tokens(LookupConfig.k) if lookup else 8), pad, lookup)
     # repeats alternate the order: plain first in even ones, lookup_decode first in odd ones
     runs = side_by_side(["plain", "lookup_decode"],
                         lambda name: timed(model, ids, mask, max_new_tokens, pad, name == "lookup_decode"), repeats)

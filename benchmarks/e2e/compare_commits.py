@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import calibrating_tokens
+
 WORKER = r"""
 import json, sys, time, torch
 import lookup_decode
@@ -100,8 +103,9 @@ def main(argv=None) -> int:
     model, dtype = model_path(args.model), str(resolve_dtype(args.dtype)).removeprefix("torch.")
     workers = {name: Worker(root, args.threads, model and str(model), dtype)
                for name, root in (("before", args.before), ("after", args.after))}
-    for w in workers.values():             # untimed warm-up (of this batch size: its cost calibration)
-        w.run(prompts[0][1], 16, args.generate_kwargs)
+    warm = min(args.max_new_tokens, calibrating_tokens(args.generate_kwargs.get("k", LookupConfig.k)))
+    for w in workers.values():             # untimed warm-up (of this batch size: its cost calibration, every width)
+        w.run(prompts[0][1], warm, args.generate_kwargs)
     runs = []
     for i, (cat, rows) in enumerate(prompts):
         got = side_by_side(list(workers), lambda name: workers[name].run(rows, args.max_new_tokens,

@@ -43,7 +43,7 @@ from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.vllm.fast_apply import REWRITE_SHARE, SETS, load_edits, max_tokens, median_range, messages, number
 from lookup_decode import measure
 from lookup_decode.engines.vllm.predicted_outputs import prediction_counts
-from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant, spread
+from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant, spread, warm_up
 
 OUT = RESULTS / "fast_apply" / "transformers"
 PREDICTION = "lookup_decode+prediction"
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
 
     _, ids, pred = chosen[0]      # untimed warm-up: allocations, numba JIT, lookup_decode's cost calibration
     for v in variants(pred, options).values():
-        run_variant(model, ids, v, min(args.max_new_tokens, 32))
+        warm_up(model, ids, v, args.max_new_tokens)
     result = {"environment": environment(model, device, args.threads, args.model),
               "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                            "variants": NAMES, "variant_descriptions": describe(options)},

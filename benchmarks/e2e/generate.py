@@ -35,7 +35,7 @@ from lookup_decode import measure
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.forward import measure_forward_cost
 from lookup_decode.engines.hf.ties import first_difference
-from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant
+from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant, warm_up
 
 VARIANTS = {
     "plain": PLAIN,
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
 
     # Untimed warm-up: allocations, numba JIT, lookup_decode's one-time forward-cost calibration per k.
     for v in tqdm(variants, desc="warm-up", leave=False):
-        run_variant(model, chosen[0][1], v, min(args.max_new_tokens, 32))
+        warm_up(model, chosen[0][1], v, args.max_new_tokens)
     lengths = sorted(ids.shape[1] for _, ids in chosen)
     median_prompt = next(ids for _, ids in chosen if ids.shape[1] == lengths[len(lengths) // 2])
     forward_cost = {"context_tokens": int(median_prompt.shape[1]), "sizes": COST_SIZES,

@@ -29,6 +29,8 @@ from benchmarks.harness.model import add_model_arguments
 from benchmarks.harness.model import load as load_model
 from benchmarks.harness.results import RESULTS, write_result
 from benchmarks.replay import sessions as memory_sessions
+from lookup_decode.core.config import LookupConfig
+from lookup_decode.core.cost import calibrating_tokens
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.models import chat_ids
 from lookup_decode.measure import environment
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     variants = (["plain"] if args.plain else []) + VARIANTS
     warm = chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}])
     for v in variants:                            # first calls allocate; lookup measures the forward cost once
-        run_once(model, warm, v, 8, lookup_decode.Memory(100), None)
+        run_once(model, warm, v, calibrating_tokens(LookupConfig.k), lookup_decode.Memory(100), None)
     records, k = [], 0
     for name in args.workloads:
         workload = memory_sessions.load(name, args.n, memory_sessions.END_TO_END)

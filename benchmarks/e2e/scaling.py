@@ -131,7 +131,7 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
     """End-to-end: plain and lookup_decode once per prompt, timelines -> speed-up after the first L tokens."""
     from transformers import StoppingCriteriaList
 
-    from lookup_decode.measure import run_variant
+    from lookup_decode.measure import run_variant, warm_up
     device = next(model.parameters()).device
     chosen, _ = workloads.select(args.output_categories, tokenizer, args.output_n, args.max_prompt_tokens,
                                  seed=args.seed)
@@ -139,7 +139,7 @@ def measure_output_length(model, tokenizer, args) -> list[dict]:
     names = [PLAIN.name, LOOKUP.name]
     variants = {PLAIN.name: PLAIN, LOOKUP.name: LOOKUP}
     for v in variants.values():       # untimed warm-up: allocations, JIT, the policy's cost calibration
-        run_variant(model, prompts[0][1], v, 16)
+        warm_up(model, prompts[0][1], v, args.output_max_new)
     records = []
     for i, (req, ids) in enumerate(tqdm(prompts, desc="output length (timed)")):
         def timed_run(name):                    # (run, timeline) of one repeat

@@ -25,7 +25,7 @@ from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.stats import CALIBRATION_MIN_TOKENS
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.batch.records import RecordError, messages_of, read_rows
-from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, run_variant
+from lookup_decode.measure import PLAIN, Variant, compare, environment, measure, warm_up
 
 DEFAULT = LookupConfig()
 DEFAULT_KEY = (DEFAULT.k, DEFAULT.min_match, DEFAULT.adaptive)
@@ -133,7 +133,7 @@ def run(args) -> int:
     say(f"{PROG}: {len(requests)} requests, up to {args.max_new_tokens} new tokens, "
         f"{torch.get_num_threads()} threads, {args.device}; warming up")
     for v in variants:  # untimed: first-use allocations, JIT and the one-time cost calibration
-        run_variant(model, prompts[0], v, min(args.max_new_tokens, 16))
+        warm_up(model, prompts[0], v, args.max_new_tokens)
     done = [0]
     total_runs = len(prompts) * len(variants) * args.repeats
 
@@ -161,7 +161,7 @@ def run(args) -> int:
     if not args.no_confirm and not is_default:
         tuned = Variant("tuned", lookup=dict(result["recommended"]))
         say(f"{PROG}: confirming {tuned.describe()} end to end")
-        run_variant(model, prompts[0], tuned, min(args.max_new_tokens, 16))  # warm-up: cost calibration for this k
+        warm_up(model, prompts[0], tuned, args.max_new_tokens)     # cost calibration for this k
         done[0], total_runs = 0, len(prompts) * 2 * args.repeats
         confirmed = measure(model, prompts, [PLAIN, tuned], args.max_new_tokens, args.repeats, progress,
                             results=args.results, ids=ids)

@@ -221,6 +221,7 @@ def cmd_generate(args, loaded=None) -> int:
     from transformers import StoppingCriteriaList, TextStreamer
 
     import lookup_decode
+    from lookup_decode.core.cost import calibrating_tokens
     from lookup_decode.engines.hf.models import chat_ids, load_quietly
     from lookup_decode.measure import timed_generate
 
@@ -243,11 +244,11 @@ def cmd_generate(args, loaded=None) -> int:
 
     if args.compare:
         # Untimed warm-up of both paths: first calls allocate, and lookup measures the model's forward
-        # cost once per process; neither belongs in a per-request comparison.
-        warm = dict(gen_kwargs, max_new_tokens=4)
-        model.generate(input_ids, **warm)
+        # cost once per process (every width it will verify); neither belongs in a per-request comparison.
+        model.generate(input_ids, **dict(gen_kwargs, max_new_tokens=4))
         model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(
-            config, prediction=prediction, tokenizer=tokenizer), **warm)
+            config, prediction=prediction, tokenizer=tokenizer),
+            **dict(gen_kwargs, max_new_tokens=min(args.max_new_tokens, calibrating_tokens(config.k))))
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with exits_on(ValueError):
