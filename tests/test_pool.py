@@ -194,7 +194,8 @@ def test_ragged_lengths_is_the_best_choice(p, avail, cost):
 
 
 def test_new_slots_start_from_what_all_slots_saw():
-    # A slot whose long-match drafts are always kept: a new slot (no evidence of its own) is priced from the pool.
+    # A slot whose long-match drafts are always kept: a new slot that copies as well is priced from the pool as soon
+    # as its first step puts it in the copying class (its first step is priced by what every slot's first step saw).
     pool = IndexPool(8)
     matrix = np.tile(np.arange(3, 13, dtype=np.int32), 40)[None, :]     # a repeating text: long matches
     s = pool.add(0)
@@ -210,7 +211,10 @@ def test_new_slots_start_from_what_all_slots_saw():
     t = pool.add(0)
     got = pool.step(matrix, np.array([0]), np.array([t]), np.array([0]), np.array([100]), np.array([8]),
                     np.array([False]))
+    got = pool.step(matrix, np.array([0]), np.array([t]), np.array([100]), np.array([100 + int(got.lengths[0]) + 1]),
+                    np.array([8]), np.array([True]))
     # From the measured root (0.99 per token after a long match) toward what the pool saw (every token kept).
+    assert got.kept[0] == 8
     assert got.lengths[0] == 8 and np.all(got.p_kept[0, :8] > fresh) and got.p_kept[0, 7] > fresh[7] + 0.05
 
 

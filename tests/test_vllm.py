@@ -587,8 +587,9 @@ def test_the_keeper_logs_the_summary_once_idle_at_most_every_summary_seconds(mon
     tokens = np.zeros((1, 64), np.int32)
     tokens[0, :10] = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
 
-    def summaries() -> list:
-        return [r for r in caplog.records if "drafter summary" in r.message and r.levelno == logging.INFO]
+    def summaries() -> list:          # this drafter's keeper only: an earlier test's keeper may still be ticking
+        return [r for r in caplog.records if "drafter summary" in r.message and r.levelno == logging.INFO
+                and r.thread == drafter.keeper.thread.ident]
 
     with caplog.at_level(logging.INFO, logger="lookup_decode.vllm"):
         drafter.propose([[4]], np.array([10]), tokens)

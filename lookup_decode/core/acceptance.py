@@ -2,16 +2,17 @@
 home of its constants, its cell layout and its rule, for every engine.
 
 p_j = q_0 q_1 ... q_j, where q_j = P(token j kept | tokens before it kept) is estimated in cells of what the replays
-show matters: the temperature of the row (greedy / sampled), the position j, the request's recent copy rate (how much
-of its full proposed drafts the target went on to emit, learned on every step, even one that sent nothing), the
+show matters: the temperature of the row (greedy / sampled), the position j, the request's recent copy rate (the
+share of its full proposed draft's decided positions the target went on to emit, over its last few steps, each step
+weighing the same; learned on every step, even one that sent nothing), the
 match length behind the draft (bucket), whether j lies past the matched length, whether the matched context has
 branched before (its automaton state has more than one outgoing edge: the text went on differently after it), and
 the draft's source (0 the request, 1 + c corpus c of the caller's tie-break order: memory, references).
 
 The cells form a hierarchy, each level adding features to its parent's:
 
-    level 0: temperature class x (first position or not)
-    level 1: + position class + copy-rate class
+    level 0: temperature class x (first position or not) x copy-rate class
+    level 1: + position class
     level 2: + match bucket + past the match
     level 3: + branched + source
 
@@ -19,10 +20,16 @@ Counts (kept, tried) are pooled over every row and request of the engine (one `D
 cell forgetting FORGET per observation of it, and a cell's estimate is shrunk to its parent's:
 q_l = (kept_l + BACKOFF q_(l-1)) / (tried_l + BACKOFF), q_(-1) the measured root (ROOT_FIRST, ROOT_LATER).
 A sparse cell thus says what its parent
-says, a full one what it saw. Each request then deviates from the pool by its own evidence: over the positions it
-decided, the kept tokens K against the pooled predictions P (and the missed M against 1 - q, Q), decayed by
-REQUEST_FORGET per decided position, scale the odds of q by ((K + W) / (P + W)) / ((M + W) / (Q + W)),
-W = REQUEST_WEIGHT: worth a few tokens at first, the request's own rate once it has seen more.
+says, a full one what it saw.
+
+The copy rate is the one per-request feature, and it sits at the top: it tells the phases of one output apart. A code
+edit copies 30 tokens a step for a while, then writes code of its own, where a 1-token match is kept a few times in a
+hundred. With a top cell pooled over both phases (the layout before 2026-12-05) the copy phase's later-position rate
+(~0.98) priced the writing phase's short matches, and drafts of 32 tokens went on for dozens of steps of misses
+(benchmarks/results/readme_job). A step's share, not its token count, feeds the rate for the same reason: one 32-token
+copy held a token-weighted rate high for ~10 steps after it. A second per-request term, each request's kept-vs-
+predicted odds over its last ~50 tokens, was removed then: it counted the same recent evidence as the rate class a
+second time, which miscalibrated a stationary stream (tests/test_policy.py), and it earned nothing measurable.
 
 Learning compares a row's *full* proposed draft with the tokens the step then emitted (`observe`): positions
 0..kept were decided (the first `kept` kept, the next one missed if the draft went on), the rest not.
@@ -50,9 +57,7 @@ LEVELS = 4
 # The constants, by name (PARAMS holds them in this order, then ROOT_FIRST and ROOT_LATER):
 #   forget          per observation of a cell: the last ~1000 (a batch of 8 decides ~30 tokens a step)
 #   backoff         a parent's estimate weighs as this many observations in its child cell
-#   request_weight  the pooled prediction weighs as this many tokens against a request's own
-#   request_forget  per decided position: a request's deviation follows its last ~50 decided tokens
-#   rate_forget     per observed step: the copy rate follows the last few steps (~16 tokens)
+#   rate_forget     per observed step: the copy rate follows the last ~7 steps
 #   rate_low, rate_high   the copy-rate class boundaries
 #   levels          levels of cells used (4: all; fewer drops the deepest), the ablation's knob
 #   rate_classes    1: cells per copy-rate class; 0: one class (the ablation's knob)
@@ -62,17 +67,16 @@ LEVELS = 4
 # --measure-priors`, benchmarks/results/replay/priors.md). Every level shrinks toward it, so a fresh engine (or a
 # replay that starts each request afresh) drafts as a copy-aware engine would, and its own evidence takes over cell
 # by cell.
-DEFAULTS = dict(forget=0.999, backoff=16.0, request_weight=32.0, request_forget=0.98, rate_forget=0.85,
+DEFAULTS = dict(forget=0.999, backoff=16.0, rate_forget=0.85,
                 rate_low=1.0 / 3.0, rate_high=2.0 / 3.0, levels=4, rate_classes=1,
                 root_first=[0.29, 0.55, 0.68, 0.78, 0.88, 0.99, 0.99, 0.99],
                 root_later=[0.83, 0.90, 0.91, 0.93, 0.97, 0.98, 0.99, 0.99])
-(FORGET, BACKOFF, REQUEST_WEIGHT, REQUEST_FORGET, RATE_FORGET, RATE_LOW, RATE_HIGH, USE_LEVELS,
- USE_RATE) = range(9)                              # indexes into a params array
-ROOT_FIRST, ROOT_LATER = 9, 9 + N_BUCKETS          # where each bucket's root starts
+FORGET, BACKOFF, RATE_FORGET, RATE_LOW, RATE_HIGH, USE_LEVELS, USE_RATE = range(7)     # indexes into a params array
+ROOT_FIRST, ROOT_LATER = 7, 7 + N_BUCKETS          # where each bucket's root starts
 
 
 def params(**overrides) -> np.ndarray:
-    """The model's constants as the kernels take them: float64 [9 + 2 N_BUCKETS], DEFAULTS with `overrides`.
+    """The model's constants as the kernels take them: float64 [ROOT_FIRST + 2 N_BUCKETS], DEFAULTS with `overrides`.
     Example: params(levels=3) drops the deepest level of cells."""
     unknown = set(overrides) - set(DEFAULTS)
     if unknown:
@@ -80,12 +84,12 @@ def params(**overrides) -> np.ndarray:
     v = {**DEFAULTS, **overrides}
     if not 1 <= v["levels"] <= LEVELS:
         raise ValueError(f"levels must be in [1, {LEVELS}], got {v['levels']}")
-    scalars = [v[name] for name in list(DEFAULTS)[:9]]
+    scalars = [v[name] for name in list(DEFAULTS)[:ROOT_FIRST]]
     return np.array(scalars + list(v["root_first"]) + list(v["root_later"]), np.float64)
 
 
 # Cells per level and where each level starts in the one counts array.
-_L0 = N_TEMP * 2
+_L0 = N_TEMP * 2 * N_RATE
 _L1 = N_TEMP * N_POS * N_RATE
 _L2 = _L1 * N_BUCKETS * 2
 _L3 = _L2 * 2 * N_SOURCE
@@ -93,9 +97,9 @@ OFFSETS = np.array([0, _L0, _L0 + _L1, _L0 + _L1 + _L2], np.int64)
 N_CELLS = _L0 + _L1 + _L2 + _L3
 PARAMS = params()
 
-# A request's state, float64 [REQUEST_SIZE]: decayed copy-rate (kept, decided) and deviation (K, P, M, Q).
-RATE_KEPT, RATE_DECIDED, DEV_KEPT, DEV_PRED, DEV_MISSED, DEV_PRED_MISS = range(6)
-REQUEST_SIZE = 6
+# A request's state, float64 [REQUEST_SIZE]: its copy rate, decayed (sum of its steps' shares, steps).
+RATE_SHARES, RATE_STEPS = range(2)
+REQUEST_SIZE = 2
 
 
 def new_counts() -> np.ndarray:
@@ -136,9 +140,9 @@ def temperature_class(t):
 @njit(cache=True, nogil=True)
 def rate_class(request, params):
     """The request's copy-rate class from its state (float64 [REQUEST_SIZE])."""
-    if request[RATE_DECIDED] < 1.0 or params[USE_RATE] == 0.0:
+    if request[RATE_STEPS] < 1.0 or params[USE_RATE] == 0.0:
         return 0
-    r = request[RATE_KEPT] / request[RATE_DECIDED]
+    r = request[RATE_SHARES] / request[RATE_STEPS]
     if r < params[RATE_LOW]:
         return 1
     return 2 if r < params[RATE_HIGH] else 3
@@ -147,7 +151,7 @@ def rate_class(request, params):
 @njit(cache=True, nogil=True)
 def _cells(temp, j, rate, b, past, branched, source, out):
     """The cell of draft position j at every level (rows of the counts array), into out int64 [LEVELS]."""
-    c0 = temp * 2 + min(j, 1)
+    c0 = (temp * 2 + min(j, 1)) * N_RATE + rate
     c1 = (temp * N_POS + position_class(j)) * N_RATE + rate
     c2 = (c1 * N_BUCKETS + b) * 2 + past
     c3 = (c2 * 2 + branched) * N_SOURCE + min(source, N_SOURCE - 1)
@@ -169,15 +173,6 @@ def _pooled(counts, cells, j, b, params):
 
 
 @njit(cache=True, nogil=True)
-def _deviate(request, q, params):
-    """q with its odds scaled by the request's own kept-vs-predicted evidence (shrunk toward the pool)."""
-    w = params[REQUEST_WEIGHT]
-    up = (request[DEV_KEPT] + w) / (request[DEV_PRED] + w)
-    down = (request[DEV_MISSED] + w) / (request[DEV_PRED_MISS] + w)
-    return q * up / (q * up + (1.0 - q) * down)
-
-
-@njit(cache=True, nogil=True)
 def predict(counts, request, match_len, branched, source, temperature, d, out, params):
     """out[j] = P(draft tokens 0..j kept), j < d, for a draft of d tokens backed by a match of match_len tokens.
 
@@ -190,7 +185,7 @@ def predict(counts, request, match_len, branched, source, temperature, d, out, p
     p = 1.0
     for j in range(d):
         _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
-        p *= _deviate(request, _pooled(counts, cells, j, b, params), params)
+        p *= _pooled(counts, cells, j, b, params)
         out[j] = p
 
 
@@ -198,29 +193,22 @@ def predict(counts, request, match_len, branched, source, temperature, d, out, p
 def observe(counts, request, match_len, branched, source, temperature, decided, kept, params):
     """Learn from one step of one row: its full proposed draft (backed by match_len, branched, source, at the row's
     temperature) had `decided` = min(draft length, tokens emitted) positions comparable with what was emitted, of
-    which the first `kept` matched. Positions 0..min(kept, decided - 1) were decided; updates the pool's cells, the
-    request's deviation and its copy rate."""
+    which the first `kept` matched. Positions 0..min(kept, decided - 1) were decided; updates the pool's cells and
+    the request's copy rate."""
     if decided <= 0:
         return
     cells = np.empty(LEVELS, np.int64)
     temp, rate, b = temperature_class(temperature), rate_class(request, params), bucket(match_len)
-    forget, request_forget, rate_forget = params[FORGET], params[REQUEST_FORGET], params[RATE_FORGET]
+    forget, rate_forget = params[FORGET], params[RATE_FORGET]
     for j in range(min(kept + 1, decided)):
         _cells(temp, j, rate, b, 1 if j >= match_len else 0, branched, source, cells)
-        q = _pooled(counts, cells, j, b, params)
         hit = 1.0 if j < kept else 0.0
-        for f in range(4):
-            request[DEV_KEPT + f] *= request_forget
-        request[DEV_KEPT] += hit
-        request[DEV_PRED] += q
-        request[DEV_MISSED] += 1.0 - hit
-        request[DEV_PRED_MISS] += 1.0 - q
         for level in range(int(params[USE_LEVELS])):
             c = cells[level]
             counts[c, 0] = counts[c, 0] * forget + hit
             counts[c, 1] = counts[c, 1] * forget + 1.0
-    request[RATE_KEPT] = request[RATE_KEPT] * rate_forget + kept
-    request[RATE_DECIDED] = request[RATE_DECIDED] * rate_forget + decided
+    request[RATE_SHARES] = request[RATE_SHARES] * rate_forget + kept / decided
+    request[RATE_STEPS] = request[RATE_STEPS] * rate_forget + 1.0
 
 
 @njit(cache=True, nogil=True)

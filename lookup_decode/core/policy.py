@@ -1,7 +1,7 @@
 """How many draft tokens to verify this step: expected emitted tokens per unit of forward cost.
 
 Acceptance is estimated online from what the model actually emitted (the model of `core.acceptance`: match
-length, position, copy rate, branching, source, temperature; pooled over the rows, per-request deviations).
+length, position, copy rate, branching, source, temperature; pooled over the rows, a copy rate per request).
 Each step picks the draft width w (tokens per row in the verify forward) that maximizes E[tokens emitted by all
 rows | w] / cost(w), with the measured cost of `cost.py`; w = 1 is plain decoding, so drafting only happens where
 it is expected to pay. One sequence is a batch of one. Then `fit` turns the chosen length into the draft to send:
@@ -75,7 +75,7 @@ class DraftPolicy:
     """Chooses the draft width per step and learns acceptance from the tokens emitted.
 
     The probability that draft token j of a row is kept is `core.acceptance`'s model: pooled over every row this
-    policy serves (one generate call: a sequence or a batch), each row a request with its own deviation and copy
+    policy serves (one generate call: a sequence or a batch), each row a request with its own copy
     rate, so E[emitted | d] = 1 + p_0 + ... + p_(d-1). Learning never needs a verification: every step compares the
     *whole* proposed draft with the tokens that were then emitted, so even when nothing is verified (d = 0) the
     policy keeps learning whether drafting would have paid.

@@ -150,7 +150,7 @@ class IndexPool:
         k = max(self.k, 1)
         spec = {"meta": ((K.META_SIZE,), np.int64, 0),
                 "cap": ((), np.int64, 0),                                 # room in tokens
-                "request": ((A.REQUEST_SIZE,), np.float64, 0.0),          # its acceptance deviation, copy rate
+                "request": ((A.REQUEST_SIZE,), np.float64, 0.0),          # its copy rate (acceptance model)
                 "prev": ((k,), np.int32, 0),                              # each slot's last full draft
                 "prev_len": ((), np.int64, 0), "prev_match": ((), np.int64, 0),
                 "prev_branched": ((), np.int64, 0),                       # its match had branched
