@@ -227,7 +227,7 @@ def _table(text: str, after: str) -> tuple[list[str], list[list[str]]]:
 
 RESULTS = ROOT / "benchmarks" / "results"
 # The README's compact tables and the full results they summarise (the code model in bfloat16, issue 32).
-README_TRANSFORMERS = RESULTS / "generate" / "code_model_bf16" / "results.md"
+README_TRANSFORMERS = RESULTS / "generate" / "code_model_bf16_avx512" / "results.md"
 README_VLLM = RESULTS / "vllm" / "engine_code_model_bf16_steps.md"
 # README's transformers columns named otherwise in the full results (the rest have the same name there).
 RESULT_COLUMN = {"vs prompt lookup": "vs prompt_lookup", "after 1st token vs prompt lookup": "after 1st token vs p.l."}
