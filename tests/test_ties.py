@@ -148,3 +148,24 @@ def test_the_vllm_study_classifier_finds_and_classifies_each_difference(bf16_run
     assert (rows[0]["near_tie"], rows[0]["gap_1"]) == (expect.near_tie, expect.gaps[0])
     assert "1 of 2 speculative outputs differ" in study_ties.report(study, rows, "study.json")
     assert ("NOT MET" in study_ties.report(study, rows, "study.json")) == (not expect.near_tie)
+
+
+def test_the_generate_benchmark_classifies_each_distinct_difference(bf16_run):
+    """benchmarks/e2e/generate.py: of a variant's repeats, the output equal to plain's is not listed, two repeats
+    with the same different output are one classified difference, and the report lists it."""
+    from types import SimpleNamespace
+
+    from benchmarks.e2e import generate as bench
+    from benchmarks.harness import report
+
+    model, prompt, plain, logits = bf16_run
+    other = plain.tolist()
+    other[10:] = [int(logits[10].argmin())] * (len(other) - 10)      # far from a tie
+    runs = [SimpleNamespace(tokens=t) for t in (plain.tolist(), other, list(other))]
+    found = bench.classified_differences(model, prompt[None], plain.tolist(), runs)
+    expect = ties.classify(model, prompt, plain, torch.tensor(other))
+    assert [(d["repeats"], d["position"], d["near_tie"]) for d in found] == [([1, 2], 10, expect.near_tie)]
+    assert not expect.near_tie
+    text = "\n".join(report.differences_section({"prompts": [{"id": "p", "variants": {"x": {"differences": found}}}]}))
+    assert "1 distinct outputs differ from plain's; 0 part at a bfloat16 near-tie" in text
+    assert "| p | x | 1, 2 | 10 |" in text

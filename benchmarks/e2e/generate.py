@@ -34,7 +34,7 @@ from benchmarks.harness.results import RESULTS
 from lookup_decode import measure
 from lookup_decode.core.stats import DecodeStats
 from lookup_decode.engines.hf.forward import measure_forward_cost
-from lookup_decode.engines.hf.ties import first_difference
+from lookup_decode.engines.hf.ties import classify, first_difference
 from lookup_decode.measure import LOOP_THRESHOLD, PLAIN, PROMPT_LOOKUP, Variant, environment, run_variant, warm_up
 
 VARIANTS = {
@@ -61,10 +61,29 @@ def sampling(temperature: float) -> dict:
     return {} if temperature == 0 else {"do_sample": True, "temperature": temperature, "top_p": TOP_P}
 
 
-def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer, first_token_s: float = 0.0) -> dict:
-    """Everything measured for one prompt: per variant median time, tokens/s, identity, stats; and the same ratios
-    on the time after the first token (each variant's seconds less plain's for one token: the prefill, which
-    drafting cannot speed up)."""
+def classified_differences(model, ids, plain: list[int], runs: list) -> list[dict]:
+    """Each distinct greedy output of a variant's repeats that parts from plain's, its first difference classified
+    (`ties.classify`: a bfloat16 near-tie or not) with the repeats that gave it. In bf16 a verify forward over
+    several tokens rounds differently from plain's 1-token forwards, so an output may part at a near-tie and
+    then decode a different text: its time is not a time for plain's text."""
+    found: dict[tuple, dict] = {}
+    for i, r in enumerate(runs):
+        if r.tokens == plain:
+            continue
+        key = tuple(r.tokens)
+        if key not in found:
+            d = classify(model, ids[0], plain, r.tokens)
+            found[key] = {"repeats": [], "position": d.position, "plain_token": d.plain, "other_token": d.lookup,
+                          "gap_1": d.gaps[0], "gap_wide": d.gaps[1], "near_tie": d.near_tie}
+        found[key]["repeats"].append(i)
+    return list(found.values())
+
+
+def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer, first_token_s: float = 0.0,
+                  differences: dict[str, list] | None = None) -> dict:
+    """Everything measured for one prompt: per variant median time, tokens/s, identity, stats, the classified
+    differences from plain's output (greedy); and the same ratios on the time after the first token (each
+    variant's seconds less plain's for one token: the prefill, which drafting cannot speed up)."""
     plain = runs["plain"][0]
     rec = {"category": req.category, "id": req.id, "prompt_tokens": int(ids.shape[1]), "first_token_s": first_token_s,
            "loop_score": measure.loop_score(plain.tokens), "copy_share": copy_share(ids[0].tolist(), plain.tokens),
@@ -77,6 +96,8 @@ def prompt_record(req, ids, runs: dict[str, list], names: list[str], tokenizer, 
              "tokens_per_second": len(rs[0].tokens) / seconds,
              "identical": all(r.tokens == plain.tokens for r in rs),
              "first_mismatch": first_difference(rs[0].tokens, plain.tokens)}
+        if differences and differences.get(name):
+            v["differences"] = differences[name]
         if rs[0].stats is not None:
             merged = DecodeStats()
             for r in rs:
@@ -164,7 +185,9 @@ def main(argv=None) -> int:
         runs = side_by_side(names, lambda name: run_variant(model, ids, by_name[name], args.max_new_tokens),
                             args.repeats, offset=i, progress=bar.update)
         first = sorted(run_variant(model, ids, by_name["plain"], 1).seconds for _ in range(args.repeats))
-        result["prompts"].append(prompt_record(req, ids, runs, names, tokenizer, first[len(first) // 2]))
+        differences = {} if args.temperature else {   # sampled outputs are not expected to be plain's
+            n: classified_differences(model, ids, runs["plain"][0].tokens, runs[n]) for n in names if n != "plain"}
+        result["prompts"].append(prompt_record(req, ids, runs, names, tokenizer, first[len(first) // 2], differences))
         report.write(result, out, with_plots=False)
     bar.close()
 

@@ -140,6 +140,7 @@ def markdown(result: dict) -> str:
                               _f(a.get("drafted_per_token"), "{:.2f}"), _f(a.get("proposer_share"), "{:.1%}")]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
+    lines += differences_section(result)
     fc = result.get("forward_cost")
     if fc:
         lines += [f"## Forward cost on this machine (context {fc['context_tokens']} tokens)", "",
@@ -150,6 +151,26 @@ def markdown(result: dict) -> str:
         listed = ", ".join(f"{k} {v}" for k, v in skipped.items() if v) or "none"
         lines += [f"Prompts skipped as too long (> --max-prompt-tokens or beyond the model's context): {listed}", ""]
     return "\n".join(lines)
+
+
+def differences_section(result: dict) -> list[str]:
+    """Markdown lines listing every greedy output that parts from plain's, classified (`generate`'s
+    `classified_differences`); none where the run recorded no classification (sampling, older results)."""
+    rows = [(r["id"], name, d) for r in result.get("prompts", []) for name, v in r["variants"].items()
+            for d in v.get("differences", [])]
+    if not rows:
+        return []
+    ties = sum(d["near_tie"] for _, _, d in rows)
+    lines = ["## Outputs that part from plain's, classified", "",
+             f"{len(rows)} distinct outputs differ from plain's; {ties} part at a bfloat16 near-tie (the two tokens' "
+             "logits within `lookup_decode.engines.hf.ties.NEAR_TIE` in a 1-token and a 16-token forward). After the "
+             "first difference a variant decodes a different text, so its time there is not a time for plain's "
+             "text.", "",
+             "| prompt | variant | repeats | first difference at | gap, 1-token forward | gap, 16-token forward | "
+             "near-tie |", "|---|---|---|---:|---:|---:|---|"]
+    lines += [f"| {pid} | {name} | {', '.join(map(str, d['repeats']))} | {d['position']} | {d['gap_1']:.3f} | "
+              f"{d['gap_wide']:.3f} | {'yes' if d['near_tie'] else 'NO'} |" for pid, name, d in rows]
+    return lines + [""]
 
 
 # ------------------------------------------------------------------------------------------- plots
