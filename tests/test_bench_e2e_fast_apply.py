@@ -68,6 +68,7 @@ def test_edits_measured_side_by_side_summary_and_report(model):
         records.append(fa.measure_edit(model, tok, e, ids, prediction, options, cap=24, repeats=2, offset=i))
     first, second = records
     assert all(r["variants"][n]["identical"] for r in records for n in fa.NAMES)
+    assert not any("differences" in r["variants"][n] for r in records for n in fa.NAMES)   # none to classify
     assert first["variants"]["plain"]["new_tokens"] == 24 and first["variants"]["plain"]["forwards"] == 24
     assert first["accepted_prediction_tokens"] == 24 and first["rejected_prediction_tokens"] == 0
     assert second["accepted_prediction_tokens"] == 0 and second["file_tokens"] == 30

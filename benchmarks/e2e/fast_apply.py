@@ -13,17 +13,17 @@ prediction is the original file, tokenized as `generate(prediction=text, tokeniz
 tokenize it (no special tokens), passed as token ids: `model.generate(..., custom_generate=lookup_decode.generate,
 prediction=ids)`.
 
-Per edit, every variant runs --repeats times, interleaved (benchmarks.harness.loop.side_by_side), after one
-untimed warm-up run per variant; the median time counts. Greedy: every variant must give plain's tokens, and
-identity is recorded per edit. Per (group, variant), groups being each set, `rewrites` (edits whose plain output
-keeps under half of the file's tokens, or of the edit's token budget when that is smaller: accepted prediction
-tokens as PredictedOutputs counts them, OpenAI's definition) and `all`: tokens/s, the per-edit ratios against
-plain, prompt_lookup and lookup_decode (median, min-max) and the ratio of total throughputs, outputs identical to
-plain's, lookup_decode's mean accepted length, and every variant's model forwards (a forward hook; the prefill
-included). Writes DIR/results.json (environment, command, per-edit records; rewritten after every edit, so a run
-cut short keeps what it measured) and DIR/results.md. The pure parts are tested on a tiny model
-(tests/test_bench_e2e_fast_apply.py).
-"""
+Per edit, every variant runs --repeats times, interleaved (benchmarks.harness.loop.side_by_side), after one untimed
+warm-up run per variant; the median time counts. Greedy: every variant must give plain's tokens, and identity is
+recorded per edit; an output that parts from plain's is classified after the timing (a bfloat16 near-tie or not:
+generate.classified_differences) and listed in results.md. Per (group, variant), groups being each set, `rewrites`
+(edits whose plain output keeps under half of the file's tokens, or of the edit's token budget when that is smaller:
+accepted prediction tokens as PredictedOutputs counts them, OpenAI's definition) and `all`: tokens/s, the per-edit
+ratios against plain, prompt_lookup and lookup_decode (median, min-max) and the ratio of total throughputs, outputs
+identical to plain's, lookup_decode's mean accepted length, and every variant's model forwards (a forward hook; the
+prefill included). Writes DIR/results.json (environment, command, per-edit records; rewritten after every edit, so a
+run cut short keeps what it measured) and DIR/results.md. The pure parts are tested on a tiny model
+(tests/test_bench_e2e_fast_apply.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks.e2e.generate import prompt_record
+from benchmarks.e2e.generate import classified_differences, prompt_record
 from benchmarks.harness import report
 from benchmarks.harness.loop import side_by_side
 from benchmarks.harness.model import add_model_arguments, device_of
@@ -111,13 +111,16 @@ def measure_edit(model, tokenizer, edit: dict, ids, prediction: list[int], optio
         return got
 
     runs = side_by_side(NAMES, run, repeats, offset=offset, progress=progress)
-    rec = prompt_record(SimpleNamespace(category=edit["set"], id=edit["id"]), ids, runs, NAMES, tokenizer)
+    plain = runs["plain"][0].tokens
+    differences = {n: classified_differences(model, ids, plain, runs[n]) for n in NAMES[1:]}   # after the timing
+    rec = prompt_record(SimpleNamespace(category=edit["set"], id=edit["id"]), ids, runs, NAMES, tokenizer,
+                        differences=differences)
     for name in NAMES:
         rec["variants"][name]["forwards"] = counts[name][0]
     pairs = {n: (v["new_tokens"], v["seconds"]) for n, v in rec["variants"].items()}    # (tokens, seconds)
     rec["speedup_vs_lookup_decode"] = {PREDICTION: measure.speedup(pairs["lookup_decode"], pairs[PREDICTION])}
     rec.update(set=edit["set"], file_tokens=len(prediction), max_new_tokens=max_tokens(edit, cap),
-               **prediction_counts(prediction, runs["plain"][0].tokens))
+               **prediction_counts(prediction, plain))
     return rec
 
 
@@ -182,6 +185,7 @@ def markdown(result: dict) -> str:
                      f"{r['variants']['plain']['new_tokens']} | {r['accepted_prediction_tokens']} | "
                      + " | ".join(f"×{r['speedup_vs_plain'][n]:.2f}" for n in NAMES[1:])
                      + f" | {'all' if not same else 'differs: ' + same} |")
+    lines += [""] + report.differences_section(result)
     if result.get("skipped"):
         lines += ["", "Edits left out (prompt + output budget beyond the model's context): "
                   + ", ".join(result["skipped"])]

@@ -87,15 +87,18 @@ def _f(value, fmt: str) -> str:
 def markdown(result: dict) -> str:
     env, settings = result["environment"], result["settings"]
     variants = settings["variants"]
+    t = settings.get("temperature") or 0.0
+    decoding = f"sampled at temperature {t}" if t else "greedy"
     lines = [
-        "# End-to-end generation: lookup_decode vs plain greedy and transformers' prompt lookup", "",
+        f"# End-to-end generation: lookup_decode vs plain {'sampling' if t else 'greedy'} and transformers' prompt "
+        "lookup", "",
         f"Command: `{env['command']}`  ",
         f"Model: {env.get('model')} ({env.get('dtype')}) on {env['device']}"
         + (f" ({env['gpu']})" if env["device"].startswith("cuda") and env.get("gpu") else f" ({env['cpu']})")
         + f", torch threads {env['torch_threads']}; torch {env['torch']}, transformers {env['transformers']}, "
         f"numba {env['numba']}  ",
-        f"Up to {settings['max_new_tokens']} new tokens, greedy; {settings['repeats']} timed repeat(s) per prompt and "
-        f"variant (median), interleaved per prompt after an untimed warm-up; loop-dominated = loop score > "
+        f"Up to {settings['max_new_tokens']} new tokens, {decoding}; {settings['repeats']} timed repeat(s) per prompt "
+        f"and variant (median), interleaved per prompt after an untimed warm-up; loop-dominated = loop score > "
         f"{settings['loop_threshold']} (share of the plain output covered by an 8-gram repeated from earlier in it).  ",
         f"Prompts of up to {settings.get('max_prompt_tokens', '?')} tokens"
         + (f"; long-context aider_refactor prompts of up to {settings['long_prompt_tokens']} tokens (the model's "
