@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.replay.forced import PAIRS, Forced, build, config_of, forced_replay, load_pairs, remap  # noqa: E402
+from benchmarks.replay.forced import PAIRS, Forced, build, config_of, forced_replay, generate_pairs, load_pairs, remap  # noqa: E402
 
 
 def test_gpu_check_dry_run_writes_tables_and_plot(tmp_path):
@@ -65,3 +65,33 @@ def test_forced_positions_follow_position_ids():
         assert logits[0].argmax(-1).tolist() == [6, 7]
     finally:
         forced.handle.remove()
+
+
+def test_a_generate_run_replays_plain_s_outputs_on_the_prompts_it_chose(tmp_path):
+    """--from-generate: each prompt the run kept, rebuilt as the run chose it, paired with plain's recorded output;
+    a category left out by --sets is left out."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks.harness import workloads
+
+    class Chars:
+        def apply_chat_template(self, messages, **kwargs):
+            return {"input_ids": torch.tensor([[ord(c) for c in messages[0]["content"]]])}
+
+    def load(name):
+        return [workloads.Request(name, f"{name}/{i}", [{"role": "user", "content": f"{name} {i}"}]) for i in range(3)]
+
+    settings = {"workloads": ["qa", "cnn_dm"], "n_per_workload": 2, "max_prompt_tokens": 100, "max_new_tokens": 8,
+                "seed": 0, "long_prompt_tokens": None}
+    chosen, _ = workloads.select(settings["workloads"], Chars(), 2, 100, max_new_tokens=8, seed=0, load=load)
+    prompts = [{"id": r.id, "plain_tokens": [i, i + 1]} for i, (r, _) in enumerate(chosen)]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"settings": settings, "prompts": prompts}))
+    model = SimpleNamespace(config=SimpleNamespace())          # no max_position_embeddings: no context bound
+    pairs = generate_pairs(str(path), model, Chars(), load=load)
+    assert sorted(pairs) == ["cnn_dm", "qa"] and sum(map(len, pairs.values())) == len(chosen) == 4
+    for (req, ids), p in zip(chosen, prompts):
+        prompt, output = next((a, b) for a, b in pairs[req.category] if a.tolist() == ids[0].tolist())
+        assert output.tolist() == p["plain_tokens"] and prompt.dtype == np.int32
+    assert list(generate_pairs(str(path), model, Chars(), sets=["qa"], load=load)) == ["qa"]

@@ -16,11 +16,16 @@ remapped densely when a shape's vocabulary is smaller), so only the copy structu
 carries over, not the real tokenizer's segmentation.
 
     python -m benchmarks.replay.forced --shapes llama-3.2-1b/8 --sets cnn_dm code_edit --limit 3
+
+With --from-generate RESULTS_JSON --model M: plain's outputs of a `benchmarks.e2e.generate` run, on the run's real
+model. In bfloat16 a variant may part from plain's text at a near-tie and time another text; forced, every method
+decodes plain's text with real forwards (the prompts rebuilt from the run's settings).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +172,22 @@ def write_pairs(path: Path, sets, limit: int, max_prompt: int) -> None:
     np.savez_compressed(path, **arrays)
 
 
+def generate_pairs(path: str, model, tokenizer, sets=None, load=None) -> dict:
+    """(prompt, plain's output) int32 pairs per category of a benchmarks.e2e.generate run on `model`, the prompts
+    chosen as that run chose them (workloads.select with its settings and seed; load: its workload loader)."""
+    from benchmarks.harness import workloads
+    run = json.loads(Path(path).read_text())
+    s, plain, pairs = run["settings"], {p["id"]: p["plain_tokens"] for p in run["prompts"]}, {}
+    chosen, _ = workloads.select(s["workloads"], tokenizer, s["n_per_workload"], s["max_prompt_tokens"],
+                                 context=getattr(model.config, "max_position_embeddings", None),
+                                 max_new_tokens=s["max_new_tokens"], seed=s["seed"],
+                                 long_prompt_tokens=s["long_prompt_tokens"], load=load or workloads.load)
+    for req, ids in chosen:
+        if req.id in plain and (not sets or req.category in sets):
+            pairs.setdefault(req.category, []).append((ids[0].int().numpy(), np.array(plain[req.id], np.int32)))
+    return pairs
+
+
 METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_tree")
 
 
@@ -241,7 +262,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b/8"],
                     help=f"shape names ({', '.join(SHAPES)}), optionally /f to divide width and depth by f")
-    ap.add_argument("--sets", nargs="+", default=SETS)
+    ap.add_argument("--sets", nargs="+", default=None, help=f"default: {' '.join(SETS)}; --from-generate: all")
     ap.add_argument("--limit", type=int, default=3, help="pairs per set")
     ap.add_argument("--max-new", type=int, default=None, help="cut recorded outputs to this many tokens")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -252,11 +273,18 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", default=str(PAIRS), help="npz of tokenized pairs (see --write-pairs)")
     ap.add_argument("--write-pairs", action="store_true", help="tokenize the shared sets into --pairs and exit")
     ap.add_argument("--out", default=str(RESULTS / "forced_replay"))
+    ap.add_argument("--from-generate", metavar="RESULTS_JSON", help="plain's outputs of that run, on --model")
+    ap.add_argument("--model", help="with --from-generate: the run's model (a name or folder)")
     args = ap.parse_args(argv)
     if args.write_pairs:
-        write_pairs(Path(args.pairs), args.sets, limit=20, max_prompt=4096)
+        write_pairs(Path(args.pairs), args.sets or SETS, limit=20, max_prompt=4096)
         return 0
-    pairs = load_pairs(Path(args.pairs), args.sets, args.limit)
+    if args.from_generate:
+        from benchmarks.harness.model import load
+        loaded, tok = load(args, args.device)
+        args.shapes, pairs = [args.model], generate_pairs(args.from_generate, loaded, tok, args.sets)
+    else:
+        pairs = load_pairs(Path(args.pairs), args.sets or SETS, args.limit)
     if args.max_new:
         pairs = {n: [(p, o[: args.max_new]) for p, o in ps] for n, ps in pairs.items()}
     out = Path(args.out)
@@ -265,7 +293,7 @@ def main(argv=None) -> int:
     tag = "_".join(s.replace("/", "-") for s in args.shapes) + f"_{args.device}"
     results = {}
     for shape in args.shapes:
-        model = build(shape, getattr(torch, args.dtype), args.device)
+        model = loaded if args.from_generate else build(shape, getattr(torch, args.dtype), args.device)
         shape_pairs = remap(pairs, model.config.vocab_size)
         results[shape] = forced_replay(model, shape_pairs, args.methods, args.k, args.tree_width,
                                        progress=lambda n, per: print(
