@@ -243,7 +243,18 @@ def test_a_batch_widens_its_forward_only_for_the_rows_furthest_from_their_end():
     drafts = [Draft(np.arange(16, dtype=np.int32), 60), Draft(np.zeros(0, np.int32), 1)]   # a long match; nothing
     wide = policy.choose(drafts)
     assert wide > 1
-    assert policy.choose(drafts, room=[40, 40]) == wide        # level rows: every row counts, as without room
     assert policy.choose(drafts, room=[100, 60]) > 1            # the copying row is the one behind
     assert policy.choose(drafts, room=[60, 100]) == 1           # it is ahead: the row behind has nothing to draft
     assert policy.last_p.shape == (2, 16)                       # calibration still sees every row's prices
+    # Level rows: the batch gains a token only where both keep one, so a match in one of them buys nothing...
+    assert policy.choose(drafts, room=[40, 40]) == 1
+    # ...and two rows that both copy are priced as their least: the product of their probabilities.
+    both = [drafts[0], Draft(np.arange(16, dtype=np.int32), 60)]
+    p = policy.p_kept(both)
+    assert policy.choose(both, room=[40, 40]) == _best_width(cost, p.prod(0))
+    assert policy.choose(both, room=[40, 40]) <= policy.choose(both)
+
+
+def _best_width(cost, p):
+    """Brute force: the width w maximizing (1 + sum of p's first w - 1) / cost(w)."""
+    return max(range(1, len(p) + 2), key=lambda w: (1 + p[: w - 1].sum()) / cost(w))
