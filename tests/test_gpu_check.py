@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,13 +68,14 @@ def test_forced_positions_follow_position_ids():
         forced.handle.remove()
 
 
-def test_a_generate_run_replays_plain_s_outputs_on_the_prompts_it_chose(tmp_path):
+def test_a_generate_run_replays_plain_s_outputs_on_the_prompts_it_chose(tmp_path, capsys):
     """--from-generate: each prompt the run kept, rebuilt as the run chose it, paired with plain's recorded output;
     a category left out by --sets is left out."""
     import json
     from types import SimpleNamespace
 
     from benchmarks.harness import workloads
+    from benchmarks.replay.forced import main as forced_main
 
     class Chars:
         def apply_chat_template(self, messages, **kwargs):
@@ -86,12 +88,21 @@ def test_a_generate_run_replays_plain_s_outputs_on_the_prompts_it_chose(tmp_path
                 "seed": 0, "long_prompt_tokens": None}
     chosen, _ = workloads.select(settings["workloads"], Chars(), 2, 100, max_new_tokens=8, seed=0, load=load)
     prompts = [{"id": r.id, "plain_tokens": [i, i + 1]} for i, (r, _) in enumerate(chosen)]
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps({"settings": settings, "prompts": prompts}))
+    run = {"settings": settings, "prompts": prompts}
     model = SimpleNamespace(config=SimpleNamespace())          # no max_position_embeddings: no context bound
-    pairs = generate_pairs(str(path), model, Chars(), load=load)
+    pairs = generate_pairs(run, model, Chars(), load=load)
     assert sorted(pairs) == ["cnn_dm", "qa"] and sum(map(len, pairs.values())) == len(chosen) == 4
     for (req, ids), p in zip(chosen, prompts):
         prompt, output = next((a, b) for a, b in pairs[req.category] if a.tolist() == ids[0].tolist())
         assert output.tolist() == p["plain_tokens"] and prompt.dtype == np.int32
-    assert list(generate_pairs(str(path), model, Chars(), sets=["qa"], load=load)) == ["qa"]
+    assert list(generate_pairs(run, model, Chars(), sets=["qa"], load=load)) == ["qa"]
+
+    # The command refuses a model or dtype other than the run's, before loading anything.
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({**run, "environment": {"model": "qwen2.5-coder-0.5b", "dtype": "bfloat16"}}))
+    with pytest.raises(SystemExit):
+        forced_main(["--from-generate", str(path), "--model", "qwen2.5-coder-0.5b"])      # float32 by default
+    assert "that run decoded qwen2.5-coder-0.5b in bfloat16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        forced_main(["--from-generate", str(path), "--dtype", "bfloat16"])               # no --model
+    assert "pass the same --model and --dtype" in capsys.readouterr().err

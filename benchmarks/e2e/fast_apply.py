@@ -111,10 +111,9 @@ def measure_edit(model, tokenizer, edit: dict, ids, prediction: list[int], optio
         return got
 
     runs = side_by_side(NAMES, run, repeats, offset=offset, progress=progress)
-    plain = runs["plain"][0].tokens
-    differences = {n: classified_differences(model, ids, plain, runs[n]) for n in NAMES[1:]}   # after the timing
+    plain = runs["plain"][0].tokens          # outputs that part from it are classified after the timing
     rec = prompt_record(SimpleNamespace(category=edit["set"], id=edit["id"]), ids, runs, NAMES, tokenizer,
-                        differences=differences)
+                        differences={n: classified_differences(model, ids, plain, runs[n]) for n in NAMES[1:]})
     for name in NAMES:
         rec["variants"][name]["forwards"] = counts[name][0]
     pairs = {n: (v["new_tokens"], v["seconds"]) for n, v in rec["variants"].items()}    # (tokens, seconds)

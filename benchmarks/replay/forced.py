@@ -172,11 +172,11 @@ def write_pairs(path: Path, sets, limit: int, max_prompt: int) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def generate_pairs(path: str, model, tokenizer, sets=None, load=None) -> dict:
-    """(prompt, plain's output) int32 pairs per category of a benchmarks.e2e.generate run on `model`, the prompts
-    chosen as that run chose them (workloads.select with its settings and seed; load: its workload loader)."""
+def generate_pairs(run: dict, model, tokenizer, sets=None, load=None) -> dict:
+    """(prompt, plain's output) int32 pairs per category of a benchmarks.e2e.generate run (its results.json) on
+    `model`, the prompts chosen as that run chose them (workloads.select with its settings and seed; load: its
+    workload loader)."""
     from benchmarks.harness import workloads
-    run = json.loads(Path(path).read_text())
     s, plain, pairs = run["settings"], {p["id"]: p["plain_tokens"] for p in run["prompts"]}, {}
     chosen, _ = workloads.select(s["workloads"], tokenizer, s["n_per_workload"], s["max_prompt_tokens"],
                                  context=getattr(model.config, "max_position_embeddings", None),
@@ -281,8 +281,11 @@ def main(argv=None) -> int:
         return 0
     if args.from_generate:
         from benchmarks.harness.model import load
+        run = json.loads(Path(args.from_generate).read_text())
+        if (ran := "{model} in {dtype}".format(**run["environment"])) != f"{args.model} in {args.dtype}":
+            ap.error(f"--from-generate: that run decoded {ran}; pass the same --model and --dtype")  # not another's
         loaded, tok = load(args, args.device)
-        args.shapes, pairs = [args.model], generate_pairs(args.from_generate, loaded, tok, args.sets)
+        args.shapes, pairs = [args.model], generate_pairs(run, loaded, tok, args.sets)
     else:
         pairs = load_pairs(Path(args.pairs), args.sets or SETS, args.limit)
     if args.max_new:
