@@ -23,7 +23,6 @@ import lookup_decode
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import calibrating_tokens, sync
 from lookup_decode.core.stats import DecodeStats
-from lookup_decode.core.tokens import eos_ids
 
 LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-dominated
 
@@ -34,8 +33,7 @@ LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-domi
 class Variant:
     """One way of generating: plain, transformers' prompt lookup, or lookup_decode with options."""
     name: str
-    lookup: dict | None = None                               # lookup_decode options (k, min_match, adaptive, ...;
-                                                             # tree_width > 1: a TreeProposer of that width)
+    lookup: dict | None = None                               # lookup_decode options (k, min_match, tree_width, ...)
     generate_kwargs: dict = field(default_factory=dict)      # extra model.generate kwargs
 
     def describe(self) -> str:
@@ -81,15 +79,7 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
     import torch
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
     kwargs.update(variant.generate_kwargs)      # may switch to sampling (do_sample, temperature, ...)
-    lookup = None
-    if variant.lookup is not None:
-        lookup = dict(variant.lookup)
-        width = lookup.pop("tree_width", 1)
-        if width > 1:   # trees: a fresh TreeProposer per run (a proposer holds one request's text)
-            from lookup_decode.sources.tree import TreeProposer
-            lookup["proposer"] = TreeProposer(width=width, min_match=lookup.get("min_match", 1),
-                                              eos_token_ids=eos_ids(model.generation_config))
-    out, seconds, stats = timed_generate(model, input_ids, lookup, **kwargs)
+    out, seconds, stats = timed_generate(model, input_ids, variant.lookup, **kwargs)
     return Run(variant.name, out[0, input_ids.shape[1]:].tolist(), seconds, stats)
 
 

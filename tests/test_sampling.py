@@ -82,10 +82,10 @@ def sample_counts(model, sampler, **gen_kwargs):
     return counts
 
 
-def lookup_sampler(stats, generator, rules=Rules()):
-    """rules: the acceptance rules (a negative control swaps in a wrong one)."""
+def lookup_sampler(stats, generator, rules=Rules(), **options):
+    """rules: the acceptance rules (a negative control swaps in a wrong one); options: more lookup options."""
     hook = lookup_decode.lookup_decoding(k=4, min_match=1, adaptive=False, stats=stats, generator=generator,
-                                         rules=rules)
+                                         rules=rules, **options)
 
     def run(model, **gen_kwargs):
         return model.generate(PROMPT, max_new_tokens=L, do_sample=True, custom_generate=hook, **gen_kwargs)
@@ -148,7 +148,10 @@ def _reject_without_removing(draft, row_scores, uniforms):
 def test_negative_controls_are_rejected(model, wrong_rule):
     gen_kwargs = CONFIGS["temperature_1"]
     target = exact_joint(model, **gen_kwargs)
-    sampler = lookup_sampler(DecodeStats(), torch.Generator().manual_seed(1), Rules(row_by_row=wrong_rule))
+    # Chains: every step then goes through the wrong chain rule (a tree step is decided by the tree rule, whose own
+    # negative control is in test_tree.py).
+    sampler = lookup_sampler(DecodeStats(), torch.Generator().manual_seed(1), Rules(row_by_row=wrong_rule),
+                             tree_width=1)
     counts = sample_counts(model, sampler, **gen_kwargs)
     assert chi_square_pvalue(counts, target) < ALPHA
 

@@ -1,13 +1,15 @@
 """Trees of candidates: construction, mask, cache compaction, and exactness end to end."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import VOCAB, FlatCosts, lookup_generate
 from tiny_models import build
 
 import lookup_decode
-from lookup_decode import DecodeStats
+from lookup_decode import DecodeStats, Draft
 from lookup_decode.core.verify import Rules, accept_tree
 from lookup_decode.engines.hf.forward import tree_mask
 from lookup_decode.sources.tree import TreeProposer, build_tree
@@ -77,6 +79,32 @@ def test_tree_width_one_is_the_chain(tiny_llama):
                                 custom_generate=lookup_decode.generate, adaptive=False, k=6, proposer=p)
             for p in (TreeProposer(width=1), lookup_decode.SuffixIndex())]
     assert outs[0].tolist() == outs[1].tolist()
+
+
+def test_trees_are_the_default_where_the_curve_gives_them_for_free(tiny_llama):
+    """No proposer passed: one row's forward verifies trees, and on a flat cost curve the default sends them, with
+    plain's output; tree_width=1 sends chains."""
+    for width in (4, 1):
+        stats = DecodeStats()
+        for seed in range(4):
+            prompt = branching_prompt(seed)
+            ref = tiny_llama.generate(prompt, max_new_tokens=40, eos_token_id=None, **GREEDY)
+            got = lookup_generate(tiny_llama, prompt, max_new_tokens=40, eos_token_id=None, **GREEDY, stats=stats,
+                                  costs=FlatCosts(), tree_width=width)
+            assert got.tolist() == ref.tolist(), (width, seed)
+        assert stats.accepted > 0, "guard: drafts were kept"
+        assert (stats.tree_steps > 0) == (width > 1), width
+
+
+def test_a_chain_grows_its_tree_only_where_more_nodes_are_sent():
+    """TreeProposer's branches scan the context: built only when the cut keeps more nodes than the chain's."""
+    def no_tree():
+        raise AssertionError("the tree was built")
+    chain = dataclasses.replace(Draft(np.array([5, 6, 7], np.int32), 3), grow=no_tree)
+    assert chain.cut(2, tree_nodes=2).tokens.tolist() == [5, 6]       # the budget holds the chain only
+    assert chain.cut(2, tree_nodes=0).parents is None and chain.cut(0, tree_nodes=None).tokens.tolist() == []
+    tree = dataclasses.replace(chain, grow=lambda: build_tree([[5, 6, 7], [9, 4]], 3)).cut(2, tree_nodes=4)
+    assert tree.tokens.tolist() == [5, 6, 9, 4] and tree.parents.tolist() == [-1, 0, -1, 2]
 
 
 def test_tree_proposer_rejects_bad_width():

@@ -43,8 +43,8 @@ VARIANTS = {
     "lookup_decode": Variant("lookup_decode", lookup={"k": 32}),                         # defaults: adaptive
     "lookup_decode_fixed10": Variant("lookup_decode_fixed10", lookup={"k": 10, "adaptive": False}),
     "lookup_decode_fixed32": Variant("lookup_decode_fixed32", lookup={"k": 32, "adaptive": False}),
-    "lookup_decode_tree2": Variant("lookup_decode_tree2", lookup={"k": 32, "tree_width": 2}),     # opt-in trees
-    "lookup_decode_tree4": Variant("lookup_decode_tree4", lookup={"k": 32, "tree_width": 4}),
+    "lookup_decode_chain": Variant("lookup_decode_chain", lookup={"k": 32, "tree_width": 1}),     # no trees
+    "lookup_decode_tree2": Variant("lookup_decode_tree2", lookup={"k": 32, "tree_width": 2}),
 }
 DEFAULT_VARIANTS = ["plain", "prompt_lookup", "lookup_decode", "lookup_decode_fixed10"]
 CATEGORIES = ["code_edit", "editeval", "summarization", "rag", "qa", "translation", "math_reasoning", "mt_bench",

@@ -188,14 +188,14 @@ def generate_pairs(run: dict, model, tokenizer, sets=None, load=None) -> dict:
     return pairs
 
 
-METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_tree")
+METHODS = ("plain", "prompt_lookup", "lookup_decode", "lookup_decode_chain")
 
 
 def run_one(model, forced: Forced, method: str, prompt: np.ndarray, output: np.ndarray, k: int, tree_width: int):
     """`measure.Run` (seconds, emitted tokens, DecodeStats or None) of one method on one recorded pair."""
     from lookup_decode.measure import PLAIN, PROMPT_LOOKUP, Variant, run_variant
-    variant = {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP, "lookup_decode": Variant(method, lookup={"k": k}),
-               "lookup_decode_tree": Variant(method, lookup={"k": k, "tree_width": tree_width})}[method]
+    lookup = {"k": k, "tree_width": tree_width if method == "lookup_decode" else 1}    # trees where free (default)
+    variant = {"plain": PLAIN, "prompt_lookup": PROMPT_LOOKUP}.get(method, Variant(method, lookup=lookup))
     device = next(model.parameters()).device
     forced.set(np.concatenate([prompt, output]), device)
     ids = torch.as_tensor(prompt[None].astype(np.int64), device=device)

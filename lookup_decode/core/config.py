@@ -55,6 +55,9 @@ class LookupConfig:
         False always verifies min(k, available) draft tokens.
     hole_share, min_holes: batches compact their KV cache once the columns some row rejected (holes)
         exceed this share of the cache and at least this many (a compaction copies the whole cache).
+    tree_width: most branches of a draft where the forward verifies trees (one row, full-attention cache): other
+        continuations of the matched suffix, as many nodes as the measured cost curve verifies for free beside the
+        chain (`DraftPolicy.tree_budget`: none on a steep CPU curve). 1: chains only.
     """
     k: int = 32
     min_match: int = 1
@@ -62,6 +65,7 @@ class LookupConfig:
     adaptive: bool = True
     hole_share: float = 0.25
     min_holes: int = 32
+    tree_width: int = 4
 
     def __post_init__(self):
         check_k(self.k)
@@ -71,3 +75,4 @@ class LookupConfig:
         if not 0 <= self.hole_share <= 1:
             raise ValueError(f"hole_share must be in [0, 1], got {self.hole_share}")
         check_int("min_holes", self.min_holes, 0)
+        check_int("tree_width (branches per draft)", self.tree_width, 1)

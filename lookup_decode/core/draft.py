@@ -31,6 +31,7 @@ class Draft:
     parents: np.ndarray | None = None   # int32 [n]: parent node, -1 = the last committed token (None: a chain)
     branched: bool = False              # the matched context went on differently before (its state has > 1 edge)
     source: int = 0                     # 0 the request's own text, 1 + c corpus c (memory, references)
+    grow: object = None                 # () -> the tree this chain heads, built only where `cut` keeps more nodes
 
     def __post_init__(self):
         tokens = np.asarray(self.tokens)
@@ -74,6 +75,8 @@ class Draft:
         """The first n tokens of the chain; with tree_nodes != 0, a tree keeps its nodes of depth <= n,
         at most tree_nodes of them (None: no limit), in order — the chain first, so it is never cut
         shorter. A tree that keeps no node off the chain becomes a chain."""
+        if self.grow is not None and n > 0 and tree_nodes != 0 and (tree_nodes is None or tree_nodes > n):
+            return self.grow().cut(n, tree_nodes)
         if self.parents is None and n >= len(self.tokens):
             return self                 # nothing to cut (immutable: the same value serves)
         chain = self.chain[:n]

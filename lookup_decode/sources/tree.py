@@ -6,14 +6,21 @@ first tokens differ; the decoding step verifies it like any draft (`forward.Sequ
 tree attention mask, `verify.accept_tree` descends it, `cache.keep_tree_path` keeps the accepted path),
 and the emitted tokens are exactly those of chain verification of the branch that was followed.
 
-Status: opt-in (`TreeProposer(width > 1)`). Each branch is cut to the draft length the policy chose for
-the chain, and with the cost model on the extra branches only fill the tokens the measured cost curve
-gives for free (`DraftPolicy.tree_budget`): wide trees where a forward's cost is flat in its length
-(GPU), few or none on a steep CPU curve. The acceptance model does not price the branches yet.
+Status: the default where one row's forward verifies trees (`LookupConfig.tree_width`, 4; a full-attention
+dynamic cache). Each branch is cut to the draft length the policy chose for the chain, and the extra branches
+only fill the tokens the measured cost curve gives for free (`DraftPolicy.tree_budget`): wide trees where a
+forward's cost is flat in its length (GPU, bf16 here), few or none on a steep CPU curve, where the tree is then
+never built. The acceptance model prices the chain; the branches are what the curve gives beside it. Measured:
+on a 2-core CPU in bf16 (Qwen2.5-Coder-0.5B, whose curve rises past 8 tokens) trees were sent in at most 12 of
+~300 steps and the default runs at x1.00 (x0.96-x1.15) of chains, prompt by prompt
+(benchmarks/results/generate/code_model_bf16_avx512/README.md); on an H200's flat curve, forced replay of code
+edits on a 1B and an 8B shape ran x9.13 and x9.76 plain against chains' x6.86 and x4.84 (one pair each,
+benchmarks/results/gpu_check/README.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -90,7 +97,10 @@ class TreeProposer(SuffixIndex):
         super().__init__(tokens, **index_kw)
 
     def propose(self, max_tokens: int) -> Draft:
+        """The chain, whose tree (`grow`) is built only if the step verifies more nodes than the chain's: the
+        branches' scan of the context costs ~0.3 ms a step, paid for nothing where the cost curve allows none."""
         chain = super().propose(max_tokens)
         if self.width <= 1 or len(chain) == 0:
             return chain
-        return build_tree(branches(self, chain.tokens, max_tokens, self.width), chain.match_len)
+        return dataclasses.replace(chain, grow=lambda: build_tree(branches(self, chain.tokens, max_tokens, self.width),
+                                                                  chain.match_len))

@@ -37,6 +37,7 @@ from lookup_decode.engines.hf.forward import BatchForward, SequenceForward, chec
 from lookup_decode.engines.hf.stopping import first_stops
 from lookup_decode.sources.memory import prediction_of
 from lookup_decode.sources.proposer import PREDICTION, check_sources, with_sources
+from lookup_decode.sources.tree import TreeProposer
 
 # The output's cache field: `cache` in transformers 5.x, `past_key_values` in 4.56-4.57.
 _CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
@@ -128,8 +129,9 @@ class _Call:
     tokenizer: object = None       # reads a text prediction
 
 
-def _drafters(model, call: _Call, generation_config, rows: int) -> list:
-    """One drafter per row: the caller's proposer(s), else a SuffixIndex (with memory/references if given)."""
+def _drafters(model, call: _Call, generation_config, rows: int, trees: bool) -> list:
+    """One drafter per row: the caller's proposer(s), else a SuffixIndex (with memory/references if given); a
+    TreeProposer where the forward verifies trees (trees) and options.tree_width > 1."""
     proposer, options = call.proposer, call.options
     if proposer is not None and (call.sources or call.prediction is not None):
         raise ValueError("memory/references/prediction draft through lookup_decode's own index; pass them or a "
@@ -148,7 +150,8 @@ def _drafters(model, call: _Call, generation_config, rows: int) -> list:
     vocab = vocab_size(model)
     sources = [call.sources + (((PREDICTION, p),) if p is not None else ())
                for p in _predictions(call.prediction, rows, call.tokenizer, vocab)]
-    return [with_sources(SuffixIndex(**match), s, vocab, **match) if s else SuffixIndex(**match) for s in sources]
+    index = partial(TreeProposer, width=options.tree_width) if trees and options.tree_width > 1 else SuffixIndex
+    return [with_sources(index(**match), s, vocab, **match) if s else index(**match) for s in sources]
 
 
 def _predictions(prediction, rows: int, tokenizer, vocab_size: int) -> list:
@@ -223,7 +226,7 @@ def _decoding_loop(model, input_ids, logits_processor, stopping_criteria, genera
         forward = SequenceForward(model, cache, logits_processor, do_sample=do_sample, generator=call.generator,
                                   rules=call.rules, input_name=input_name, extra=extra)
         record = Recorded() if generation_config.return_dict_in_generate else None
-    drafters = _drafters(model, call, generation_config, input_ids.shape[0])
+    drafters = _drafters(model, call, generation_config, input_ids.shape[0], forward.draft_kind == "tree")
     if source is not None:
         drafters[0].extend(source[0])
     rows = Rows.start(input_ids, generation_config.max_length, pad_token_id=pad, do_sample=do_sample,
@@ -290,7 +293,8 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
 
 def generate(model, input_ids=None, logits_processor=None, stopping_criteria=None, generation_config=None,
              synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
-             max_match: int | None = None, adaptive: bool | None = None, stats: DecodeStats | None = None,
+             max_match: int | None = None, adaptive: bool | None = None, tree_width: int | None = None,
+             stats: DecodeStats | None = None,
              proposer=None, generator: torch.Generator | None = None, memory=None, references=None,
              prediction=None, inputs_tensor=None, **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
@@ -303,16 +307,17 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
     (it drops the tokenizer), so pass them to this direct call: `stop_strings=[...], tokenizer=tok`.
 
     Options: k (most draft tokens per step, default 32), min_match (1), max_match (64), adaptive
-    (True: draft lengths from measured cost and acceptance), stats (a DecodeStats filled in
-    place), proposer (a `Drafter`: extend(tokens) and propose(max_tokens) -> Draft; one per row for a
-    batch; default a SuffixIndex over the prompt and output), generator (torch.Generator for sampling),
+    (True: draft lengths from measured cost and acceptance), tree_width (4: most branches of a tree draft where
+    one row's forward verifies trees and the cost curve makes the extra nodes free; 1: chains), stats (a
+    DecodeStats filled in place), proposer (a `Drafter`: extend(tokens) and propose(max_tokens) -> Draft; one
+    per row for a batch; default a SuffixIndex over the prompt and output), generator (torch.Generator for sampling),
     memory (a lookup_decode.Memory: drafts also from earlier outputs, and stores this one), references
     (lookup_decode.References: drafts also from registered documents), prediction (the text the output is
     expected to repeat, as OpenAI's Predicted Outputs: token ids, or a text with tokenizer=...; a batch takes one
     per row, or None, in a list): drafted from by this call alone.
     """
-    given = {n: v for n, v in zip(("k", "min_match", "max_match", "adaptive"), (k, min_match, max_match, adaptive))
-             if v is not None}
+    given = {n: v for n, v in zip(("k", "min_match", "max_match", "adaptive", "tree_width"),
+                                  (k, min_match, max_match, adaptive, tree_width)) if v is not None}
     direct = generation_config is None  # called directly, not by model.generate
     if direct and input_ids is None:
         raise ValueError("pass input_ids (a [1, length] tensor of token ids)")
