@@ -50,11 +50,13 @@ def _add_lookup_args(p: argparse.ArgumentParser, k_only: bool = False, k_default
                    help=f"shortest matched suffix that backs a draft (default {DEFAULTS.min_match})")
     p.add_argument("--max-match", type=int, default=DEFAULTS.max_match, help=f"(default {DEFAULTS.max_match})")
     p.add_argument("--no-adaptive", action="store_true", help="always verify the whole draft (no cost model)")
+    p.add_argument("--tree-width", type=int, default=DEFAULTS.tree_width, help="most branches of a tree draft where "
+                   f"the cost curve verifies them for free (default {DEFAULTS.tree_width}; 1: chains; transformers)")
 
 
 def lookup_config(args) -> LookupConfig:
     """The command line's lookup options as a LookupConfig (validated there; errors end the command)."""
-    given = {name: getattr(args, name) for name in ("k", "min_match", "max_match") if hasattr(args, name)}
+    given = {name: getattr(args, name) for name in ("k", "min_match", "max_match", "tree_width") if hasattr(args, name)}
     if hasattr(args, "no_adaptive"):
         given["adaptive"] = not args.no_adaptive
     with exits_on(TypeError, ValueError):
