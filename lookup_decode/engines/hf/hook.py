@@ -294,9 +294,8 @@ def lookup_decoding(config: LookupConfig | None = None, *, stats: DecodeStats | 
 def generate(model, input_ids=None, logits_processor=None, stopping_criteria=None, generation_config=None,
              synced_gpus=False, streamer=None, tokenizer=None, *, k: int | None = None, min_match: int | None = None,
              max_match: int | None = None, adaptive: bool | None = None, tree_width: int | None = None,
-             stats: DecodeStats | None = None,
-             proposer=None, generator: torch.Generator | None = None, memory=None, references=None,
-             prediction=None, inputs_tensor=None, **model_kwargs):
+             stats: DecodeStats | None = None, proposer=None, generator: torch.Generator | None = None, memory=None,
+             references=None, prediction=None, inputs_tensor=None, **model_kwargs):
     """Lookup decoding with transformers' generate() contract.
 
     As a hook: `model.generate(**inputs, custom_generate=lookup_decode.generate, k=16, stats=s)`.
