@@ -269,6 +269,7 @@ def test_ray_actors_ask_for_the_gpus_their_engine_needs():
 
 
 def test_gpus_per_actor_reaches_the_job(monkeypatch, tmp_path):
+    from lookup_decode import LookupConfig
     from lookup_decode.cli import commands
     from lookup_decode.engines.batch import job as job_module
     from lookup_decode.engines.batch import vllm as batch_vllm
@@ -285,6 +286,13 @@ def test_gpus_per_actor_reaches_the_job(monkeypatch, tmp_path):
         commands.main(args + ["--gpus-per-actor", "-1"])
     with pytest.raises(SystemExit, match="--gpus-per-actor is an option of --engine vllm"):
         commands.main(["run", "--input", "x", "--output", "y", "--gpus-per-actor", "1"])
+    # vLLM's drafter sends chains: a tree width given to it is refused, not silently ignored
+    with pytest.raises(SystemExit, match="--tree-width is an option of --engine transformers"):
+        commands.main(args + ["--tree-width", "2"])
+    assert commands.main(args[:-2]) == 0 and seen[-1][0].lookup.tree_width == LookupConfig().tree_width
+    seen.clear()
+    commands.main(["run", "--input", "x", "--output", "y", "--tree-width", "2"])
+    assert seen[-1][0].lookup.tree_width == 2
 
 
 def test_the_job_remembers_across_records_unless_told_not_to():

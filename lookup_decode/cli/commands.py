@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r, dtype=False)
     add_dtype_arg(r, None, "float32 with --engine transformers; with --engine vllm, auto = vLLM's choice for the model")
     _add_lookup_args(r, k_default=f"{DEFAULTS.k}; {VLLM_K} with --engine vllm, vLLM's num_speculative_tokens")
-    r.set_defaults(k=None)        # the engine's default (cmd_run)
+    r.set_defaults(k=None, tree_width=None)        # the engine's defaults (cmd_run)
     _add_vllm_args(r)
     return parser
 
@@ -175,6 +175,11 @@ def cmd_run(args) -> int:
     given = [name for name, default in VLLM_ONLY.items() if getattr(args, name) != default]
     if args.engine != "vllm" and given:
         raise SystemExit(f"lookup-decode: --{given[0].replace('_', '-')} is an option of --engine vllm")
+    if args.engine == "vllm" and args.tree_width is not None:     # custom_class drafts are token lists
+        raise SystemExit("lookup-decode: --tree-width is an option of --engine transformers (vLLM's drafter sends "
+                         "chains)")
+    if args.tree_width is None:
+        args.tree_width = DEFAULTS.tree_width
     if args.k is None:
         args.k = VLLM_K if args.engine == "vllm" else DEFAULTS.k
     if args.references is not None and not Path(args.references).is_dir():
