@@ -136,6 +136,25 @@ def test_cli_generate_json_compare(real_model, capsys):
     assert result["stats"]["new_tokens"] <= 24 and result["stats"]["steps"] > 0
 
 
+def test_cli_compare_times_a_call_that_learned_nothing_from_its_warm_up(real_model, capsys, monkeypatch):
+    """--compare warms up on the same prompt (allocations, the cost calibration); the timed call must not price its
+    drafts by what the warm-up saw of this very answer: it starts from an empty acceptance pool."""
+    import lookup_decode.measure
+    from lookup_decode.cli import commands as cli
+    from lookup_decode.engines.hf import hook
+    timed, seen = lookup_decode.measure.timed_generate, []
+
+    def spy(model, *args, **kwargs):
+        if "custom_generate" in kwargs:
+            seen.append(float(hook._POOLS[model].sum()) if model in hook._POOLS else 0.0)
+        return timed(model, *args, **kwargs)
+    monkeypatch.setattr(lookup_decode.measure, "timed_generate", spy)
+    code = cli.main(["generate", "--prompt", "Repeat exactly: the cat sat on the mat. the cat sat on the mat.",
+                     "--max-new-tokens", "24", "--json", "--compare"], loaded=real_model)
+    assert code == 0 and seen == [0.0]
+    assert json.loads(capsys.readouterr().out)["compare"]["identical"] is True
+
+
 def test_cli_generate_prediction_file_leads(real_model, capsys, tmp_path):
     """`--prediction-file`: the same output as without it, in fewer steps when it holds the answer (the
     prediction's drafts lead)."""

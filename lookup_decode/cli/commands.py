@@ -229,6 +229,7 @@ def cmd_generate(args, loaded=None) -> int:
 
     import lookup_decode
     from lookup_decode.core.cost import calibrating_tokens
+    from lookup_decode.engines.hf.hook import forget_acceptance
     from lookup_decode.engines.hf.models import chat_ids, load_quietly
     from lookup_decode.measure import timed_generate
 
@@ -256,6 +257,8 @@ def cmd_generate(args, loaded=None) -> int:
         model.generate(input_ids, custom_generate=lookup_decode.lookup_decoding(
             config, prediction=prediction, tokenizer=tokenizer),
             **dict(gen_kwargs, max_new_tokens=min(args.max_new_tokens, calibrating_tokens(config.k))))
+        # The warm-up decoded the start of this very answer: the timed call must not price drafts by it.
+        forget_acceptance(model)
     stats = lookup_decode.DecodeStats()
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with exits_on(ValueError):

@@ -174,6 +174,12 @@ def _predictions(prediction, rows: int, tokenizer, vocab_size: int) -> list:
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def forget_acceptance(model) -> None:
+    """Empty what the calls on `model` learned of acceptance: its next call prices drafts as a fresh process's
+    first call does (a measurement's warm-up must not teach its timed call the answer's first tokens)."""
+    _POOLS.pop(model, None)
+
+
 def _policy(k: int, generation_config, model) -> DraftPolicy:
     """The draft policy of one call, over its model's acceptance pool: a sampled call's rows keep drafts at the
     target's odds, so the model prices them by their temperature (greedy: 0)."""
