@@ -291,7 +291,7 @@ def test_gpus_per_actor_reaches_the_job(monkeypatch, tmp_path):
         commands.main(args + ["--tree-width", "2"])
     assert commands.main(args[:-2]) == 0 and seen[-1][0].lookup.tree_width == LookupConfig().tree_width
     seen.clear()
-    commands.main(["run", "--input", "x", "--output", "y", "--tree-width", "2"])
+    assert commands.main(["run", "--input", "x", "--output", "y", "--tree-width", "2"]) == 0
     assert seen[-1][0].lookup.tree_width == 2
 
 
