@@ -21,14 +21,19 @@ def _state(drafter) -> dict:
     entries = [] if drafter.memory is None else [
         {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in asdict(e).items()}
         for e in drafter.memory.entries()]
+    pool = drafter.pool
     return {"stats": stats, "calibration": drafter.stats.reliability.table.tolist(), "cost": list(drafter.cost.sums),
-            "requests": {rid: asdict(r) for rid, r in drafter.stats.requests.items()}, "memory": entries}
+            "requests": {rid: asdict(r) for rid, r in drafter.stats.requests.items()}, "memory": entries,
+            "pool": (pool.bytes, pool.copied, pool.swaps)}
 
 
-def _run(steady: bool, requests_of, settings, runner_kw, k=8, **drafter_kw):
-    """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path)."""
+def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None, **drafter_kw):
+    """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path).
+    migrate_from: the smallest index room that grows by a copy built across calls (`IndexPool`; None: its own)."""
     drafter = lv.LookupDrafter.from_settings(settings, k, eos_token_ids=EOS, **drafter_kw)
     drafter.steady_path = steady
+    if migrate_from is not None:
+        drafter.pool.migrate_from = migrate_from
     taken = [0]
     general = drafter._steady
 
@@ -78,6 +83,25 @@ def test_steady_path_gives_the_general_paths_drafts(name):
     drafts_general, state_general, taken_general, _ = _run(False, requests_of, settings, runner_kw)
     assert taken_general == 0 and taken > calls // 4           # guard: the steady path served many calls
     assert sum(len(d) for ds, _ in drafts for d in ds) > 100 and state["stats"]["accepted"] > 50   # and drafted
+    assert drafts == drafts_general
+    assert state == state_general
+
+
+def test_steady_path_where_indexes_grow_by_copying():
+    """Every room grows by a copy built over later calls (`IndexPool.reserve` starts it past 3/4 of the room,
+    `migrate` builds it, then it is swapped in): the steady path must hand `reserve` each call that has work for it
+    (and may skip it otherwise), so both paths start, build and swap the same copies."""
+    def requests_of():                  # prompts of 650-850 tokens, outputs of ~200: past 3/4 of the first room
+        out = _requests(seed=7, n=8)
+        for j, r in enumerate(out):
+            r.prompt = np.tile(r.prompt, 900 // len(r.prompt))[:650 + 25 * j]
+            r.truth = np.concatenate([r.truth] * 3)
+        return out
+
+    runner_kw = dict(max_num_reqs=4, seed=7)
+    drafts, state, taken, calls = _run(True, requests_of, lv.Settings(), runner_kw, migrate_from=0)
+    drafts_general, state_general, _, _ = _run(False, requests_of, lv.Settings(), runner_kw, migrate_from=0)
+    assert taken > calls // 2 and state_general["pool"][2] >= 6    # guard: many steady calls, copies swapped in
     assert drafts == drafts_general
     assert state == state_general
 

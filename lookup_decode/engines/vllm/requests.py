@@ -83,10 +83,11 @@ def _fingerprints(matrix, rows, lengths, mult, out):
 @njit(cache=True, nogil=True)
 def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps):
     """The kernel of `RequestTable.steady`: the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn
-    and temps; rules: (k, max_len, check_end, call). Returns (rows, verified, prefill, continued, most new tokens,
-    any slot near its room's end, rows ended); rows -1: not the steady state, nothing written."""
+    and temps; rules: (k, max_len, check_end, call, migrate_from). Returns (rows, verified, prefill, continued, most
+    new tokens, any slot `IndexPool.reserve` has work for, rows ended); rows -1: not the steady state, nothing
+    written."""
     limit, end, sent, last_seen = per_slot
-    k, max_len, check_end, call = rules[0], rules[1], rules[2], rules[3]
+    k, max_len, check_end, call, migrate_from = rules[0], rules[1], rules[2], rules[3], rules[4]
     r = verified = prefill = continued = most = near = ended = 0
     if row_slots.shape[0] != counts.shape[0]:
         return -1, 0, 0, 0, 0, 0, 0
@@ -119,7 +120,9 @@ def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot
         if have == 0:
             prefill += n - 1
         most = max(most, n - have)
-        if 4 * n > 3 * cap[s]:
+        # Past 3/4 of its room a slot's bigger copy starts, if its room is one that grows by copying; past its room it
+        # grows now. Smaller rooms near their end leave `reserve` nothing to do (its numpy calls: a third of a call).
+        if n > cap[s] or 4 * n > 3 * cap[s] and cap[s] >= migrate_from:
             near = 1
         r += 1
     if r == 0:
@@ -245,7 +248,7 @@ class RequestTable:
         self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
-        self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0))
+        self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0, 0))
         _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
 
@@ -369,7 +372,8 @@ class RequestTable:
         if self._steady_out[0].shape[1] < n:
             self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n))
             self._steady_views = {}
-        r, *sums = self._steady_kernel(matrix, counts, emitted, (k, max_len, int(check_end), call))
+        r, *sums = self._steady_kernel(matrix, counts, emitted, (k, max_len, int(check_end), call,
+                                                                         self.pool.migrate_from))
         if r < 0:
             return None
         views = self._steady_views.get(r)
