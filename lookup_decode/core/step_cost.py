@@ -170,10 +170,51 @@ def _line(first, c, jump, out):
 
 
 @njit(cache=True, nogil=True)
+def _size_table(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, out):
+    """Each graph size's modelled seconds / fixed in out: the line, and once a step was observed the size's own
+    mean seconds shrunk toward it, kept non-decreasing in the size. Returns the line's (token_cost, fixed, extra,
+    jump)."""
+    c, fixed, _, extra, jump = _terms(state, prior, prior_weight)
+    most = -np.inf
+    for b in range(sizes.shape[0]):
+        x = 1.0 + c * sizes[b]
+        if fixed > 0:
+            bw, by, bp, bd = bucket[0, b] * scale, bucket[1, b] * scale, bucket[2, b] * scale, bucket[3, b] * scale
+            own = max(by - extra * bp - jump * bd, 0.0) / fixed
+            most = max(most, (own + bucket_weight * x) / (bw + bucket_weight))
+            x = most
+        out[b] = x
+    return c, fixed, extra, jump
+
+
+@njit(cache=True, nogil=True)
+def _size_curve(table, sizes, c, jump, n0, out):
+    """out[m]: the modelled seconds / fixed of a step of n0 + m tokens, run padded to the next graph size (past the
+    largest: eager, on the line), + jump for m > 0."""
+    for m in range(out.shape[0]):
+        n = n0 + m
+        b = np.searchsorted(sizes, n)
+        x = table[b] if b < sizes.shape[0] else max(1.0 + c * n, table[-1])
+        out[m] = x + jump if m > 0 else x
+
+
+@njit(cache=True, nogil=True)
 def _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
     """`StepCost.choose` on the straight line (no graph sizes): its terms, curve and best prefix in one call."""
     c, fixed, _, extra, jump = _terms(state, prior, prior_weight)
     _line(1.0 + c * n0, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, cost)
+    if prefill and fixed > 0 and extra:
+        cost += extra / fixed * prefill
+    best_prefix(p_kept, available, cost, out)
+
+
+@njit(cache=True, nogil=True)
+def _choose_sizes(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, p_kept, available, n0, prefill,
+                  table, cost, out):
+    """`StepCost.choose` with graph sizes: the sizes' table, the padded curve and the best prefix in one call (a
+    CUDA engine's drafter calls it every step)."""
+    c, fixed, extra, jump = _size_table(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, table)
+    _size_curve(table, sizes, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, n0, cost)
     if prefill and fixed > 0 and extra:
         cost += extra / fixed * prefill
     best_prefix(p_kept, available, cost, out)
@@ -233,6 +274,7 @@ class StepCost:
         self._bucket = np.zeros((4, len(self.sizes)))
         self._scale = 1.0
         self._sizes = np.asarray(self.sizes, np.float64)
+        self._table = np.empty(len(self.sizes))    # choose's table of the graph sizes, reused
         self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
 
     @classmethod
@@ -294,12 +336,9 @@ class StepCost:
         terms = (fixed, per_token, extra, jump) if fixed > 0 else None
         table = None
         if self.sizes:
-            table = 1.0 + c * self._sizes
-            if terms is not None:
-                # Each graph size's own mean seconds, shrunk toward the line, kept non-decreasing in the size.
-                bw, by, bp, bd = self._bucket * self._scale
-                own = np.maximum(by - extra * bp - jump * bd, 0.0) / terms[0]
-                table = np.maximum.accumulate((own + self.bucket_weight * table) / (bw + self.bucket_weight))
+            table = np.empty(len(self.sizes))
+            _size_table(self.state, self.prior, self.prior_weight, self._bucket, self._scale, self.bucket_weight,
+                        self._sizes, table)
         self._cache = (self.observed, (c, terms, table))
         return self._cache[1]
 
@@ -319,15 +358,11 @@ class StepCost:
         draft and the others do (prefill's extra term left out)."""
         c, terms, table = self._model()
         jump = terms[3] / terms[0] if terms is not None and terms[3] > 0 else 0.0
+        curve = np.empty(m + 1)
         if table is None:
-            curve = np.empty(m + 1)
             _line(1.0 + c * n0, c, jump, curve)
-            return curve
-        n = np.arange(n0, n0 + m + 1)
-        idx = np.searchsorted(self._sizes, n)       # each step's graph size; len(sizes): past the largest, eager
-        inside = idx < len(self.sizes)
-        curve = np.where(inside, table[np.minimum(idx, len(self.sizes) - 1)], np.maximum(1.0 + c * n, table[-1]))
-        curve[1:] += jump
+        else:
+            _size_curve(table, self._sizes, c, jump, n0, curve)
         return curve
 
     def seconds(self, tokens: int, prefill_tokens: int = 0, drafted: bool = False) -> float | None:
@@ -358,16 +393,13 @@ class StepCost:
         if r == 0 or k == 0:
             return out
         available = np.asarray(available, np.int64)
+        if len(self._cost) <= r * k:
+            self._cost = np.zeros(2 * r * k + 1)
+        n0, prefill = r + int(prefill_tokens), int(prefill_tokens)
         if not self.sizes:
-            if len(self._cost) <= r * k:
-                self._cost = np.zeros(2 * r * k + 1)
-            _choose_line(self.state, self.prior, self.prior_weight, p_kept, available, r + int(prefill_tokens),
-                         int(prefill_tokens), self._cost[:r * k + 1], out)
-            return out
-        cost = self._curve(r + int(prefill_tokens), r * k)
-        if prefill_tokens:
-            terms = self.terms
-            if terms is not None and terms[2]:
-                cost += terms[2] / terms[0] * prefill_tokens
-        best_prefix(p_kept, available, cost, out)
+            _choose_line(self.state, self.prior, self.prior_weight, p_kept, available, n0, prefill,
+                         self._cost[:r * k + 1], out)
+        else:
+            _choose_sizes(self.state, self.prior, self.prior_weight, self._bucket, self._scale, self.bucket_weight,
+                          self._sizes, p_kept, available, n0, prefill, self._table, self._cost[:r * k + 1], out)
         return out
