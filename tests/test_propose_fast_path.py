@@ -7,8 +7,9 @@ from dataclasses import asdict, fields
 import numpy as np
 import pytest
 
+from lookup_decode.core.pool import IndexPool
 from lookup_decode.engines.vllm import drafter as lv
-from lookup_decode.engines.vllm.batch_drafter import EngineRequests, RequestInfo
+from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequests, RequestInfo
 from lookup_decode.sources.memory import Memory, References
 from tests.sim_runner import SimRequest, SimRunner
 from tests.test_vllm import EOS, _requests
@@ -87,23 +88,48 @@ def test_steady_path_gives_the_general_paths_drafts(name):
     assert state == state_general
 
 
+def _past_three_quarters() -> list[SimRequest]:
+    """Prompts of 600-740 tokens and outputs of ~190: past 3/4 of a new slot's room (1024), within it."""
+    out = _requests(seed=7, n=8)
+    for j, r in enumerate(out):
+        r.prompt = np.tile(r.prompt, 900 // len(r.prompt))[:600 + 20 * j]
+        r.truth = np.concatenate([r.truth] * 3)
+    return out
+
+
 def test_steady_path_where_indexes_grow_by_copying():
     """Every room grows by a copy built over later calls (`IndexPool.reserve` starts it past 3/4 of the room,
     `migrate` builds it, then it is swapped in): the steady path must hand `reserve` each call that has work for it
     (and may skip it otherwise), so both paths start, build and swap the same copies."""
-    def requests_of():                  # prompts of 650-850 tokens, outputs of ~200: past 3/4 of the first room
-        out = _requests(seed=7, n=8)
-        for j, r in enumerate(out):
-            r.prompt = np.tile(r.prompt, 900 // len(r.prompt))[:650 + 25 * j]
-            r.truth = np.concatenate([r.truth] * 3)
-        return out
-
     runner_kw = dict(max_num_reqs=4, seed=7)
-    drafts, state, taken, calls = _run(True, requests_of, lv.Settings(), runner_kw, migrate_from=0)
-    drafts_general, state_general, _, _ = _run(False, requests_of, lv.Settings(), runner_kw, migrate_from=0)
+    drafts, state, taken, calls = _run(True, _past_three_quarters, lv.Settings(), runner_kw, migrate_from=0)
+    drafts_general, state_general, _, _ = _run(False, _past_three_quarters, lv.Settings(), runner_kw, migrate_from=0)
     assert taken > calls // 2 and state_general["pool"][2] >= 6    # guard: many steady calls, copies swapped in
     assert drafts == drafts_general
     assert state == state_general
+
+
+def test_steady_path_skips_reserve_where_it_has_nothing_to_do(monkeypatch):
+    """A room below `migrate_from` grows only once full: past 3/4 of it `reserve` has nothing to do, and a steady
+    call does not call it (its numpy calls were a third of such a call, caches cold after the model's forward)."""
+    steady, reserve, inside, reserved = BatchDrafter._steady, IndexPool.reserve, [False], {True: 0, False: 0}
+
+    def steady_call(drafter, *a):
+        inside[0] = True
+        try:
+            return steady(drafter, *a)
+        finally:
+            inside[0] = False
+
+    def counted(pool, *a):
+        reserved[inside[0]] += 1
+        return reserve(pool, *a)
+
+    monkeypatch.setattr(BatchDrafter, "_steady", steady_call)
+    monkeypatch.setattr(IndexPool, "reserve", counted)
+    _, state, taken, calls = _run(True, _past_three_quarters, lv.Settings(), dict(max_num_reqs=4, seed=7))
+    assert taken > calls // 2 and state["pool"][1] == 0        # many steady calls, no room grew
+    assert reserved[False] > 0 and reserved[True] == 0          # the general path's calls only
 
 
 def _with_own_corpora():
