@@ -73,13 +73,12 @@ def branches(index: SuffixIndex, main: np.ndarray, k: int, width: int) -> list[n
             break
     firsts = t[ends + 1]
     freq = Counter(firsts.tolist())
-    eos = set(index.eos.tolist())
-    used = {int(main[0])} if len(main) else set()
+    used = set(index.eos.tolist()) | ({int(main[0])} if len(main) else set())     # no branch starts with these
     for j in sorted(range(len(ends)), key=lambda j: (-lens[j], -freq[int(firsts[j])], -ends[j])):
         if len(out) >= width:
             break
         first = int(firsts[j])
-        if first in used or first in eos:
+        if first in used:
             continue
         used.add(first)
         out.append(index.continuation(ends[j], k, index.eos))
