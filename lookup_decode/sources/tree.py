@@ -65,10 +65,9 @@ def branches(index: SuffixIndex, main: np.ndarray, k: int, width: int) -> list[n
     lens = np.ones(len(ends), dtype=np.int64)                # match length of each occurrence
     alive = np.ones(len(ends), dtype=bool)
     for m in range(1, index.max_match):
-        ok = alive & (ends - m >= 0)
-        ok[ok] = t[ends[ok] - m] == t[L - 1 - m]
-        lens += ok
-        alive = ok
+        alive &= ends - m >= 0
+        alive[alive] = t[ends[alive] - m] == t[L - 1 - m]
+        lens += alive
         if not alive.any():
             break
     firsts = t[ends + 1]
