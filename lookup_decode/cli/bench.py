@@ -205,8 +205,7 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
     if d["loop_dominated"]:
         print(f"  {d['loop_dominated']} output(s) are dominated by a repetition loop (easy to draft); "
               f"without them: {_fmt_spread(d['speedup_without_loops'])}")
-    for line in calibration_lines("lookup_decode", d):
-        print(line)
+    print("\n".join(calibration_lines("lookup_decode", d)))
     rec = result["recommended"]
     use = f"k={rec['k']}, min_match={rec['min_match']}" + ("" if rec["adaptive"] else ", adaptive=False")
     if is_default:
@@ -220,5 +219,4 @@ def _print_summary(result: dict, best: dict, default_row: dict, is_default: bool
     print(line + ")")
     print(f"  model.generate(..., custom_generate=lookup_decode.generate, {use})")
     if "confirmed" in result:
-        for line in calibration_lines("tuned", result["confirmed"]):
-            print(line)
+        print("\n".join(calibration_lines("tuned", result["confirmed"])))

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from lookup_decode.cli import check_at_least, exits_on
+from lookup_decode.cli import bench, chat, check_at_least, exits_on
 from lookup_decode.core.config import LookupConfig
 
 DEFAULTS = LookupConfig()      # every command's lookup options default to the library's
@@ -55,8 +55,10 @@ def _add_lookup_args(p: argparse.ArgumentParser, k_only: bool = False, k_default
 
 
 def lookup_config(args) -> LookupConfig:
-    """The command line's lookup options as a LookupConfig (validated there; errors end the command)."""
-    given = {name: getattr(args, name) for name in ("k", "min_match", "max_match", "tree_width") if hasattr(args, name)}
+    """The command line's lookup options as a LookupConfig (validated there; errors end the command); an option
+    the command lacks, or left at None, takes the library's default."""
+    names = ("k", "min_match", "max_match", "tree_width")
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if hasattr(args, "no_adaptive"):
         given["adaptive"] = not args.no_adaptive
     with exits_on(TypeError, ValueError):
@@ -85,13 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_lookup_args(g)
 
-    from lookup_decode.cli import chat
     c = sub.add_parser("chat", help="multi-turn chat on stdin with a session memory across turns (and runs)")
     chat.add_arguments(c)
     _add_model_args(c)
     _add_lookup_args(c, k_only=True)
 
-    from lookup_decode.cli import bench
     b = sub.add_parser("bench", help="measure lookup decoding on your own requests and recommend settings")
     bench.add_arguments(b)
     _add_model_args(b)
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r, dtype=False)
     add_dtype_arg(r, None, "float32 with --engine transformers; with --engine vllm, auto = vLLM's choice for the model")
     _add_lookup_args(r, k_default=f"{DEFAULTS.k}; {VLLM_K} with --engine vllm, vLLM's num_speculative_tokens")
-    r.set_defaults(k=None, tree_width=None)        # the engine's defaults (cmd_run)
+    r.set_defaults(k=None, tree_width=None)        # the engine's defaults (cmd_run, lookup_config)
     _add_vllm_args(r)
     return parser
 
@@ -178,8 +178,6 @@ def cmd_run(args) -> int:
     if args.engine == "vllm" and args.tree_width is not None:     # custom_class drafts are token lists
         raise SystemExit("lookup-decode: --tree-width is an option of --engine transformers (vLLM's drafter sends "
                          "chains)")
-    if args.tree_width is None:
-        args.tree_width = DEFAULTS.tree_width
     if args.k is None:
         args.k = VLLM_K if args.engine == "vllm" else DEFAULTS.k
     if args.references is not None and not Path(args.references).is_dir():
@@ -295,13 +293,11 @@ def main(argv=None, loaded=None) -> int:
     if args.command == "generate":
         return cmd_generate(args, loaded)
     if args.command == "chat":
-        from lookup_decode.cli.chat import cmd_chat
-        return cmd_chat(args)
+        return chat.cmd_chat(args)
     if args.command == "run":
         return cmd_run(args)
     if args.command == "export-hf":
         return cmd_export(args)
-    from lookup_decode.cli import bench
     return bench.run(args)
 
 

@@ -10,6 +10,7 @@ place of the model, so measuring drafts on large models' real outputs needs no m
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -96,15 +97,13 @@ def search_settings(prompts, outputs, cost, eos_token_ids=(), ks=SEARCH_K, min_m
     tokens, n up to max(ks) + 1). Returns one dict per setting, fastest first.
     """
     rows = []
-    for k in ks:
-        for min_match in min_matches:
-            for adaptive in (True, False):
-                total = DecodeStats()
-                for prompt, out in zip(prompts, outputs):
-                    index = SuffixIndex(prompt, min_match=min_match, eos_token_ids=eos_token_ids)
-                    total.merge(replay(index, out, k, DraftPolicy(k, cost if adaptive else None)))
-                rows.append({"k": k, "min_match": min_match, "adaptive": adaptive,
-                             "estimated_speedup": estimated_speedup(total, cost),
-                             "mean_accepted_length": total.mean_accepted_length,
-                             "acceptance_rate": total.acceptance_rate})
+    for k, min_match, adaptive in itertools.product(ks, min_matches, (True, False)):
+        total = DecodeStats()
+        for prompt, out in zip(prompts, outputs):
+            index = SuffixIndex(prompt, min_match=min_match, eos_token_ids=eos_token_ids)
+            total.merge(replay(index, out, k, DraftPolicy(k, cost if adaptive else None)))
+        rows.append({"k": k, "min_match": min_match, "adaptive": adaptive,
+                     "estimated_speedup": estimated_speedup(total, cost),
+                     "mean_accepted_length": total.mean_accepted_length,
+                     "acceptance_rate": total.acceptance_rate})
     return sorted(rows, key=lambda r: -r["estimated_speedup"])

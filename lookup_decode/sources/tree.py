@@ -65,21 +65,19 @@ def branches(index: SuffixIndex, main: np.ndarray, k: int, width: int) -> list[n
     lens = np.ones(len(ends), dtype=np.int64)                # match length of each occurrence
     alive = np.ones(len(ends), dtype=bool)
     for m in range(1, index.max_match):
-        ok = alive & (ends - m >= 0)
-        ok[ok] = t[ends[ok] - m] == t[L - 1 - m]
-        lens += ok
-        alive = ok
+        alive &= ends - m >= 0
+        alive[alive] = t[ends[alive] - m] == t[L - 1 - m]
+        lens += alive
         if not alive.any():
             break
     firsts = t[ends + 1]
     freq = Counter(firsts.tolist())
-    eos = set(index.eos.tolist())
-    used = {int(main[0])} if len(main) else set()
+    used = set(index.eos.tolist()) | ({int(main[0])} if len(main) else set())     # no branch starts with these
     for j in sorted(range(len(ends)), key=lambda j: (-lens[j], -freq[int(firsts[j])], -ends[j])):
         if len(out) >= width:
             break
         first = int(firsts[j])
-        if first in used or first in eos:
+        if first in used:
             continue
         used.add(first)
         out.append(index.continuation(ends[j], k, index.eos))

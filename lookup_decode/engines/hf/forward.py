@@ -101,11 +101,9 @@ def tree_mask(draft, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     n = len(draft)
     allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
     allowed[:, 0] = True
-    for j in range(n):
-        a = j
-        while a >= 0:
-            allowed[j + 1, a + 1] = True
-            a = int(draft.parents[a])
+    for j, parent in enumerate(draft.parents.tolist()):    # a parent comes before its children (Draft checks it)
+        allowed[j + 1] = allowed[parent + 1]                # what the parent sees (the root: row 0), and itself
+        allowed[j + 1, j + 1] = True
     mask = torch.zeros(n + 1, past + n + 1, dtype=dtype)
     mask[:, past:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
     return mask.view(1, 1, n + 1, past + n + 1).to(device)

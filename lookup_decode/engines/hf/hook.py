@@ -338,9 +338,8 @@ def generate(model, input_ids=None, logits_processor=None, stopping_criteria=Non
             # stop_strings; build the very criterion it would have built.
             if tokenizer is None:
                 raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=...")
-            extra = StoppingCriteriaList([StopStringCriteria(tokenizer, stop_strings)])
-            stopping_criteria = (extra if stopping_criteria is None
-                                 else StoppingCriteriaList([*stopping_criteria, *extra]))
+            stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []),
+                                                      StopStringCriteria(tokenizer, stop_strings)])
         return model.generate(input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                               custom_generate=hook, **model_kwargs)
     return hook(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,

@@ -248,8 +248,7 @@ def load_quietly(path=None, threads: int | None = None, dtype: str | torch.dtype
     if threads is not None:
         torch.set_num_threads(threads)
     captured = io.StringIO()
-    try:
-        dtype = resolve_dtype(dtype, device)
+    try:                                            # a bad dtype: load_model's ValueError, before any output
         with contextlib.redirect_stderr(captured):
             return load_model(path, dtype=dtype, device=device)
     except Exception as e:
