@@ -35,7 +35,8 @@ import pathlib
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.experimental import structref
 from numba.typed import List
 
 from lookup_decode.core import acceptance as A
@@ -85,6 +86,35 @@ def _warm_up(window: int) -> None:
     src = np.array([1, 2, 1, 2], np.int32)
     K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
     grown((tok, st, ed, hk, hv), meta, 4, 8)
+
+
+@structref.register
+class _KernelType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class _Kernel(structref.StructRefProxy):
+    """What `_step` reads besides the call's rows, as one object: after a model's forward (cold caches) numba's
+    dispatch takes ~10 us to unbox it, against ~45 us for its 14 per-slot arrays, rules and outputs one by one and its
+    two typed lists (~20 us each: they are typed in Python)."""
+
+
+_KERNEL_FIELDS = ("buffers", "meta", "cap", "counts", "request", "prev", "prev_len", "prev_match", "prev_src",
+                  "prev_end", "prev_ver", "prev_branched", "prev_temp", "cursor", "cursor_ver", "ints", "eos", "stops",
+                  "params", "corpora", "versions", "out_tokens", "out_lengths", "out_match", "out_source", "out_p",
+                  "out_kept", "out_credit")
+structref.define_proxy(_Kernel, _KernelType, list(_KERNEL_FIELDS))
+
+
+@njit(cache=True, nogil=True)
+def _new_kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
+            prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, out_tokens,
+            out_lengths, out_match, out_source, out_p, out_kept, out_credit):
+    """A `_Kernel` (compiled and cached here: the proxy's own constructor compiles in every process)."""
+    return _Kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
+                   prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions,
+                   out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit)
 
 
 @dataclass
@@ -168,6 +198,7 @@ class IndexPool:
             setattr(self, name, new)
         while len(self.buffers) < n:
             self.buffers.append(self._none)
+        self._kernel = None                                 # (it holds the arrays replaced)
 
     def add(self, n_tokens: int = 0) -> int:
         """A new slot with room for n_tokens (an index over nothing, no evidence of its own); returns its number."""
@@ -326,12 +357,17 @@ class IndexPool:
             row_corpora = np.ascontiguousarray(row_corpora, np.int64)
             if row_corpora.shape != (r, ROLES) or row_corpora.max(initial=-1) >= len(corpora):
                 raise ValueError(f"row_corpora must be int [{r}, {ROLES}] of indices into the {len(corpora)} corpora")
-        arrays, versions = self._corpora_arrays(corpora)
+        self._corpora_arrays(corpora)
         temps = self._greedy[:r] if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
+        if self._kernel is None:
+            b, arrays, versions = self._out, *self._corpus_list[1]
+            self._kernel = _new_kernel(self.buffers, self.meta, self.cap, self.counts, self.request, self.prev,
+                                       self.prev_len, self.prev_match, self.prev_src, self.prev_end, self.prev_ver,
+                                       self.prev_branched, self.prev_temp, self.cursor, self.cursor_ver, self._rules,
+                                       self.eos, self.stops, self.params, arrays, versions, b.tokens, b.lengths,
+                                       b.match, b.source, b.p_kept, b.kept, b.credit)
         _step(matrix, (rows, slots, starts, ends, np.asarray(limits, np.int64), np.asarray(learn, np.bool_), temps,
-                       row_corpora, versions),
-              self.buffers, self._state, arrays, self._kernel_rules,
-              (out.tokens, out.lengths, out.match, out.source, out.p_kept, out.kept, out.credit))
+                       row_corpora), self._kernel)
         return out
 
     def _out_of(self, r: int) -> "Step":
@@ -340,7 +376,7 @@ class IndexPool:
         if out is None:
             if r > self._out.tokens.shape[0]:
                 n = max(r, 2 * self._out.tokens.shape[0])
-                self._out, self._views = _out_buffers(n, self.k), {}
+                self._out, self._views, self._kernel = _out_buffers(n, self.k), {}, None
                 self._greedy = np.zeros(n)
                 self._roles = [np.full((n, ROLES), -1, np.int64) for _ in range(ROLES + 1)]
                 for c in range(ROLES + 1):
@@ -350,18 +386,7 @@ class IndexPool:
                                         b.kept[:r], b.credit[:r])
         return out
 
-    @property
-    def _state(self) -> tuple:
-        """The per-slot arrays the kernel reads and writes (`_arrays` may replace them)."""
-        return (self.meta, self.cap, self.counts, self.request, self.prev, self.prev_len, self.prev_match,
-                self.prev_src, self.prev_end, self.prev_ver, self.prev_branched, self.prev_temp, self.cursor,
-                self.cursor_ver)
-
-    @property
-    def _kernel_rules(self) -> tuple:
-        return self._rules, self.eos, self.stops, self.params
-
-    def _corpora_arrays(self, corpora) -> tuple:
+    def _corpora_arrays(self, corpora) -> None:
         """The kernel's list of corpus arrays and their versions, kept from call to call while the corpora are the
         same buffers of the same lengths (building a numba List from Python costs ~0.1 ms, a tenth of a step)."""
         key = [(id(index._toks), len(index), version) for index, version in corpora]
@@ -369,7 +394,7 @@ class IndexPool:
             tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]
             versions = np.array([version for _, version in corpora] or [-1], np.int64)
             self._corpus_list = (key, (List(tuples), versions))
-        return self._corpus_list[1]
+            self._kernel = None
 
 
 @dataclass
@@ -415,18 +440,20 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 
 @njit(cache=True, nogil=True)
-def _step(matrix, batch, buffers, state, corpora, rules, out):
-    """The kernel of `IndexPool.step`. batch: the call's per-row arrays and the corpora's versions; buffers: the
-    slots' automata (a typed list, passed on its own: inside a tuple numba's dispatch would type it in Python, ~30 us
-    a call); state: the per-slot arrays; rules: (min_match, max_match, corpus_min_match, alone_min_match, window,
-    lead role (-1: none)), eos, stops, the acceptance model's params; out: `Step`'s arrays."""
-    rows, slots, starts, ends, limits, learn, temps, row_corpora, versions = batch
-    (meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver, prev_branched, prev_temp,
-     cursor, cursor_ver) = state
-    ints, eos, stops, params = rules
+def _step(matrix, batch, st):
+    """The kernel of `IndexPool.step`. batch: the call's per-row arrays; st: the pool's `_Kernel` (the slots' automata
+    and per-slot arrays; rules: (min_match, max_match, corpus_min_match, alone_min_match, window, lead role (-1:
+    none)), eos, stops, the acceptance model's params; the corpora and their versions; `Step`'s arrays)."""
+    rows, slots, starts, ends, limits, learn, temps, row_corpora = batch
+    buffers, corpora, versions = st.buffers, st.corpora, st.versions
+    meta, cap, counts, request, prev, prev_len = st.meta, st.cap, st.counts, st.request, st.prev, st.prev_len
+    prev_match, prev_src, prev_end, prev_ver = st.prev_match, st.prev_src, st.prev_end, st.prev_ver
+    prev_branched, prev_temp, cursor, cursor_ver = st.prev_branched, st.prev_temp, st.cursor, st.cursor_ver
+    ints, eos, stops, params = st.ints, st.eos, st.stops, st.params
     min_match, max_match, corpus_min_match, alone_min_match, window, lead = (ints[0], ints[1], ints[2], ints[3],
                                                                              ints[4], ints[5])
-    out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit = out
+    out_tokens, out_lengths, out_match, out_source = st.out_tokens, st.out_lengths, st.out_match, st.out_source
+    out_p, out_kept, out_credit = st.out_p, st.out_kept, st.out_credit
     k = out_tokens.shape[1]
     roles = row_corpora.shape[1]
     scratch = np.zeros((roles, k), np.int32)
