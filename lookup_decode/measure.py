@@ -23,6 +23,7 @@ import lookup_decode
 from lookup_decode.core.config import LookupConfig
 from lookup_decode.core.cost import calibrating_tokens, sync
 from lookup_decode.core.stats import DecodeStats
+from lookup_decode.engines.hf.hook import forget_acceptance
 
 LOOP_THRESHOLD = 0.5      # loop score above which an output counts as loop-dominated
 
@@ -86,9 +87,12 @@ def run_variant(model, input_ids, variant: Variant, max_new_tokens: int) -> Run:
 def warm_up(model, input_ids, variant: Variant, max_new_tokens: int) -> None:
     """An untimed run of `variant` that leaves nothing one-time to its timed runs of up to max_new_tokens:
     first-use allocations, numba's compilation and lookup decoding's forward-cost calibration of every width a
-    timed run verifies (`cost.calibrating_tokens`)."""
+    timed run verifies (`cost.calibrating_tokens`). What it taught the acceptance model is forgotten: it decoded the
+    start of a timed run's own answer, and a fresh process's first call knows nothing of it."""
     k = (variant.lookup or {}).get("k", LookupConfig.k)
     run_variant(model, input_ids, variant, min(max_new_tokens, 4 if variant.lookup is None else calibrating_tokens(k)))
+    if variant.lookup is not None:
+        forget_acceptance(model)
 
 
 def interleaved_order(variants: list[str], repeats: int, offset: int = 0) -> list[tuple[int, str]]:

@@ -190,3 +190,26 @@ def test_a_warm_up_leaves_no_calibration_to_the_timed_call(tiny_llama, rows):
         assert call(60) is warmed
     finally:
         costs.reset(tiny_llama)
+
+
+def test_a_warm_up_teaches_the_timed_call_nothing(tiny_llama):
+    """`warm_up` decodes the start of the answer its timed runs decode: what it taught the acceptance model is
+    forgotten, so the first timed run prices its drafts as a fresh process's first call does (the benchmarks'
+    first prompt was priced by its own answer)."""
+    from lookup_decode.engines.hf import hook
+    from lookup_decode.measure import Variant, warm_up
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11] * 8])
+    hook.forget_acceptance(tiny_llama)
+    run_variant = lookup_decode.measure.run_variant
+    learned = []
+
+    def spy(model, *args, **kwargs):
+        run = run_variant(model, *args, **kwargs)
+        learned.append(float(hook._POOLS[model].sum()) if model in hook._POOLS else 0.0)
+        return run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lookup_decode.measure, "run_variant", spy)
+        warm_up(tiny_llama, ids, Variant("lookup_decode", lookup={}), 60)
+    assert learned and learned[0] > 0               # it did learn (drafts were sent and checked)
+    assert tiny_llama not in hook._POOLS
