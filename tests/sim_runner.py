@@ -243,7 +243,8 @@ class SimRunner:
             elif B:
                 self.proposes += 1
                 if self.input_batch is not None:
-                    self.input_batch.req_ids = [r.id if r is not None else None for r in self.rows[:B]]
+                    # (vLLM's runner keeps one list and updates it in place)
+                    self.input_batch.req_ids[:] = [r.id if r is not None else None for r in self.rows[:B]]
                 drafts = self.drafter.propose(sampled, self.num_tokens_no_spec, self.token_ids_cpu, slot_mappings=None)
                 assert len(drafts) == B
                 for i in used:

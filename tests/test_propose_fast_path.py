@@ -29,7 +29,8 @@ def _state(drafter) -> dict:
 
 
 def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None, **drafter_kw):
-    """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path).
+    """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path,
+    calls, those of the steady calls whose pool step ran in the steady state's own compiled call).
     migrate_from: the smallest index room that grows by a copy built across calls (`IndexPool`; None: its own)."""
     drafter = lv.LookupDrafter.from_settings(settings, k, eos_token_ids=EOS, **drafter_kw)
     drafter.steady_path = steady
@@ -44,11 +45,19 @@ def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None,
         return out
 
     drafter._steady = counted
+    fused, table_steady = [0], drafter.requests.steady
+
+    def stepped(*a, **kw):
+        got = table_steady(*a, **kw)
+        fused[0] += got is not None and bool(got[-1][-1])
+        return got
+
+    drafter.requests.steady = stepped
     runner = SimRunner(drafter, k=k, ids=True, step_seconds=lambda n: 0.05 + 0.004 * n, **runner_kw)
     drafter.clock = runner.clock
     requests = requests_of()
     runner.run(requests)
-    return [(r.drafts, r.emitted) for r in requests], _state(drafter), taken[0], runner.proposes
+    return [(r.drafts, r.emitted) for r in requests], _state(drafter), taken[0], runner.proposes, fused[0]
 
 
 def _long(seed: int) -> list[SimRequest]:
@@ -80,9 +89,11 @@ SCENARIOS = {
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_steady_path_gives_the_general_paths_drafts(name):
     requests_of, settings, runner_kw = SCENARIOS[name]
-    drafts, state, taken, calls = _run(True, requests_of, settings, runner_kw)
-    drafts_general, state_general, taken_general, _ = _run(False, requests_of, settings, runner_kw)
-    assert taken_general == 0 and taken > calls // 4           # guard: the steady path served many calls
+    drafts, state, taken, calls, fused = _run(True, requests_of, settings, runner_kw)
+    drafts_general, state_general, taken_general, _, _ = _run(False, requests_of, settings, runner_kw)
+    assert taken_general == 0 and taken > calls // 4           # guard: the steady path served many calls, some
+    assert fused > 0 and (name not in ("alone", "sampled") or fused > taken // 2)   # stepped in one compiled call
+                                                               # (most, where no request is held outside the batch)
     assert sum(len(d) for ds, _ in drafts for d in ds) > 100 and state["stats"]["accepted"] > 50   # and drafted
     assert drafts == drafts_general
     assert state == state_general
@@ -102,8 +113,9 @@ def test_steady_path_where_indexes_grow_by_copying():
     `migrate` builds it, then it is swapped in): the steady path must hand `reserve` each call that has work for it
     (and may skip it otherwise), so both paths start, build and swap the same copies."""
     runner_kw = dict(max_num_reqs=4, seed=7)
-    drafts, state, taken, calls = _run(True, _past_three_quarters, lv.Settings(), runner_kw, migrate_from=0)
-    drafts_general, state_general, _, _ = _run(False, _past_three_quarters, lv.Settings(), runner_kw, migrate_from=0)
+    drafts, state, taken, calls, _ = _run(True, _past_three_quarters, lv.Settings(), runner_kw, migrate_from=0)
+    drafts_general, state_general, _, _, _ = _run(False, _past_three_quarters, lv.Settings(), runner_kw,
+                                                  migrate_from=0)
     assert taken > calls // 2 and state_general["pool"][2] >= 6    # guard: many steady calls, copies swapped in
     assert drafts == drafts_general
     assert state == state_general
@@ -127,7 +139,7 @@ def test_steady_path_skips_reserve_where_it_has_nothing_to_do(monkeypatch):
 
     monkeypatch.setattr(BatchDrafter, "_steady", steady_call)
     monkeypatch.setattr(IndexPool, "reserve", counted)
-    _, state, taken, calls = _run(True, _past_three_quarters, lv.Settings(), dict(max_num_reqs=4, seed=7))
+    _, state, taken, calls, _ = _run(True, _past_three_quarters, lv.Settings(), dict(max_num_reqs=4, seed=7))
     assert taken > calls // 2 and state["pool"][1] == 0        # many steady calls, no room grew
     assert reserved[False] > 0 and reserved[True] == 0          # the general path's calls only
 
@@ -149,9 +161,9 @@ def _references() -> References:
 
 def test_steady_path_with_per_request_settings_and_references():
     runner_kw = dict(max_num_reqs=6, seed=11, arrivals_per_step=2)
-    drafts, state, taken, calls = _run(True, _with_own_corpora, lv.Settings(), runner_kw, references=_references())
-    drafts_general, state_general, _, _ = _run(False, _with_own_corpora, lv.Settings(), runner_kw,
-                                               references=_references())
+    drafts, state, taken, calls, _ = _run(True, _with_own_corpora, lv.Settings(), runner_kw, references=_references())
+    drafts_general, state_general, _, _, _ = _run(False, _with_own_corpora, lv.Settings(), runner_kw,
+                                                  references=_references())
     assert taken > calls // 2 and state["stats"]["accepted"] > 50
     assert drafts == drafts_general
     assert state == state_general

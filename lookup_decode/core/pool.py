@@ -102,18 +102,18 @@ class _Kernel(structref.StructRefProxy):
 
 _KERNEL_FIELDS = ("buffers", "meta", "cap", "counts", "request", "prev", "prev_len", "prev_match", "prev_src",
                   "prev_end", "prev_ver", "prev_branched", "prev_temp", "cursor", "cursor_ver", "ints", "eos", "stops",
-                  "params", "corpora", "versions", "out_tokens", "out_lengths", "out_match", "out_source", "out_p",
-                  "out_kept", "out_credit")
+                  "params", "corpora", "versions", "roles", "out_tokens", "out_lengths", "out_match", "out_source",
+                  "out_p", "out_kept", "out_credit")
 structref.define_proxy(_Kernel, _KernelType, list(_KERNEL_FIELDS))
 
 
 @njit(cache=True, nogil=True)
 def _new_kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
-            prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, out_tokens,
-            out_lengths, out_match, out_source, out_p, out_kept, out_credit):
+            prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, roles,
+            out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
     """A `_Kernel` (compiled and cached here: the proxy's own constructor compiles in every process)."""
     return _Kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
-                   prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions,
+                   prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, roles,
                    out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit)
 
 
@@ -170,7 +170,7 @@ class IndexPool:
         self.buffers[0] = self.buffers[0]                  # numba compiles typed-list access on first use: now
         self._out = _out_buffers(0, self.k)
         self._views: dict = {}                              # r -> the first r rows of _out
-        self._out_of(64)
+        self.outputs(64)
         self._no_corpus = SuffixIndex().arrays()
         self._corpus_list = (None, None)                    # (key, numba List) of the corpora last stepped over
 
@@ -348,7 +348,7 @@ class IndexPool:
         if self.copies:
             self.migrate(slots, self.migrate_work + MIGRATE_PER_TOKEN * int((ends - starts).sum()))
         r = len(rows)
-        out = self._out_of(r)
+        out = self.outputs(r)
         if row_corpora is None:
             if len(corpora) > ROLES:
                 raise ValueError(f"at most {ROLES} corpora without row_corpora, got {len(corpora)}")
@@ -357,21 +357,14 @@ class IndexPool:
             row_corpora = np.ascontiguousarray(row_corpora, np.int64)
             if row_corpora.shape != (r, ROLES) or row_corpora.max(initial=-1) >= len(corpora):
                 raise ValueError(f"row_corpora must be int [{r}, {ROLES}] of indices into the {len(corpora)} corpora")
-        self._corpora_arrays(corpora)
         temps = self._greedy[:r] if temperatures is None else np.ascontiguousarray(temperatures, np.float64)
-        if self._kernel is None:
-            b, arrays, versions = self._out, *self._corpus_list[1]
-            self._kernel = _new_kernel(self.buffers, self.meta, self.cap, self.counts, self.request, self.prev,
-                                       self.prev_len, self.prev_match, self.prev_src, self.prev_end, self.prev_ver,
-                                       self.prev_branched, self.prev_temp, self.cursor, self.cursor_ver, self._rules,
-                                       self.eos, self.stops, self.params, arrays, versions, b.tokens, b.lengths,
-                                       b.match, b.source, b.p_kept, b.kept, b.credit)
-        _step(matrix, (rows, slots, starts, ends, np.asarray(limits, np.int64), np.asarray(learn, np.bool_), temps,
-                       row_corpora), self._kernel)
+        step_rows(matrix, rows, slots, starts, ends, np.asarray(limits, np.int64), np.asarray(learn, np.bool_), temps,
+                  row_corpora, self.kernel(corpora))
         return out
 
-    def _out_of(self, r: int) -> "Step":
-        """The first r rows of the output buffers (reused from call to call), and the per-row defaults of that size."""
+    def outputs(self, r: int) -> "Step":
+        """The first r rows of the output buffers (reused from call to call: a caller of `step_rows` sizes them
+        before building the `kernel`)."""
         out = self._views.get(r)
         if out is None:
             if r > self._out.tokens.shape[0]:
@@ -386,15 +379,24 @@ class IndexPool:
                                         b.kept[:r], b.credit[:r])
         return out
 
-    def _corpora_arrays(self, corpora) -> None:
-        """The kernel's list of corpus arrays and their versions, kept from call to call while the corpora are the
-        same buffers of the same lengths (building a numba List from Python costs ~0.1 ms, a tenth of a step)."""
+    def kernel(self, corpora) -> "_Kernel":
+        """What `step_rows` reads besides the call's rows, over these corpora ((SuffixIndex, version) pairs, held
+        unchanged while it runs: `Corpus.reading()`; each row reads corpus c as role c unless told otherwise). Kept
+        from call to call while the pool's arrays and the corpora (the same buffers, lengths and versions) are."""
         key = [(id(index._toks), len(index), version) for index, version in corpora]
-        if key != self._corpus_list[0]:
+        if key != self._corpus_list[0]:         # (building a numba List from Python costs ~0.1 ms)
             tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]
             versions = np.array([version for _, version in corpora] or [-1], np.int64)
-            self._corpus_list = (key, (List(tuples), versions))
-            self._kernel = None
+            self._corpus_list, self._kernel = (key, (List(tuples), versions)), None
+        if self._kernel is None:
+            b, (arrays, versions) = self._out, self._corpus_list[1]
+            self._kernel = _new_kernel(self.buffers, self.meta, self.cap, self.counts, self.request, self.prev,
+                                       self.prev_len, self.prev_match, self.prev_src, self.prev_end, self.prev_ver,
+                                       self.prev_branched, self.prev_temp, self.cursor, self.cursor_ver, self._rules,
+                                       self.eos, self.stops, self.params, arrays, versions,
+                                       self._roles[min(len(key), ROLES)], b.tokens, b.lengths, b.match, b.source,
+                                       b.p_kept, b.kept, b.credit)
+        return self._kernel
 
 
 @dataclass
@@ -440,11 +442,11 @@ def _corpus_draft(corpus, cursor, min_match, limit, stops, out):
 
 
 @njit(cache=True, nogil=True)
-def _step(matrix, batch, st):
-    """The kernel of `IndexPool.step`. batch: the call's per-row arrays; st: the pool's `_Kernel` (the slots' automata
-    and per-slot arrays; rules: (min_match, max_match, corpus_min_match, alone_min_match, window, lead role (-1:
-    none)), eos, stops, the acceptance model's params; the corpora and their versions; `Step`'s arrays)."""
-    rows, slots, starts, ends, limits, learn, temps, row_corpora = batch
+def step_rows(matrix, rows, slots, starts, ends, limits, learn, temps, row_corpora, st):
+    """The kernel of `IndexPool.step` (its arguments; st: the pool's `kernel`: the slots' automata and per-slot
+    arrays; rules: (min_match, max_match, corpus_min_match, alone_min_match, window, lead role (-1: none)), eos,
+    stops, the acceptance model's params; the corpora and their versions; `Step`'s arrays). Callable from other
+    kernels (`engines.vllm.requests`' steady step)."""
     buffers, corpora, versions = st.buffers, st.corpora, st.versions
     meta, cap, counts, request, prev, prev_len = st.meta, st.cap, st.counts, st.request, st.prev, st.prev_len
     prev_match, prev_src, prev_end, prev_ver = st.prev_match, st.prev_src, st.prev_end, st.prev_ver

@@ -22,14 +22,14 @@ A failure never stops the engine: a call that raises is logged once, drafts noth
 
 Most calls bring no new request: by id, every row that emitted tokens holds a known request, continued by them.
 Such a call (`_steady`) skips most of step 1 and the general path's bookkeeping: one compiled call
-(`RequestTable.steady`) checks that and gives the arrays of step 4. A call after a model's forward finds its
-objects out of the caches, so it is the count of numpy calls and Python frames a call touches, more than their
-work, that sets its time.
+(`RequestTable.steady`) checks that, gives the arrays of step 4 and, where nothing before the step needs Python (no
+row ended, no index growing, the rows reading only the shared corpora), runs step 4 itself. A call after a model's
+forward finds its objects out of the caches, so it is the count of numpy calls, Python frames and objects handed to
+compiled code a call touches, more than their work, that sets its time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +44,7 @@ from lookup_decode.engines.vllm.keeper import Keeper
 from lookup_decode.engines.vllm.requests import NO_LIMIT, Drafts, EngineRequests, Request, RequestInfo, RequestTable
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, load_references_setting, replica_path
 from lookup_decode.engines.vllm.stats import SOURCES, DrafterStats
+from lookup_decode.sources.corpus import Reading
 from lookup_decode.sources.memory import Memory, References, prediction_of
 
 log = logging.getLogger("lookup_decode.vllm")
@@ -169,25 +170,41 @@ class BatchDrafter:
     def _steady(self, matrix, counts, emitted, engine: EngineRequests, now: float) -> Drafts | None:
         """A call in the steady state (`RequestTable.steady`: no row new, refused or rebuilt) far below the byte
         bound: the general path's drafts with a few numpy calls. None (nothing changed): take the general path."""
-        table = self.requests
-        got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
-                           max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
-                           check_end=self.memory is not None)
+        table, pool, shared = self.requests, self.pool, self._shared
+        # The pool steps the rows in the steady state's own compiled call (`RequestTable.steady`'s kernel) where the
+        # rows read only the shared corpora, in their roles by default, no slot is being copied, and the byte bound
+        # leaves every row a first room: nothing to do in Python before the step.
+        fused = not self._own and shared is not None and shared[1] is None and not pool.copies \
+            and 4 * (pool.bytes + len(counts) * self._room_1024) <= self.settings.max_index_bytes
+        with Reading(shared[0] if fused else ()) as held:
+            kernel = None
+            if fused:
+                pool.outputs(len(counts))
+                kernel = pool.kernel(held)
+            got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
+                               max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
+                               check_end=self.memory is not None, kernel=kernel)
         if got is None:
             return None
-        rows, slots, starts, ends, limits, learn, temps, (verified, prefill, continued, most, near, ended) = got
+        rows, slots, starts, ends, limits, learn, temps, sums = got
+        verified, prefill, continued, most, near, ended, stepped = sums
         r = len(rows)
-        room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
-        if 4 * (self.pool.bytes + r * room) > self.settings.max_index_bytes:
-            return None                             # (the general path marks the same slots seen)
-        if continued == 0:
-            self._observe(verified, prefill, r, now)
-        if len(table.id_of) > r:
-            self._retire_gone(engine, r)
-        if ended:
-            self._store_finished(matrix, rows, slots, ends, absent=False)
-        corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
-        step = self._step(matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits=not near)
+        if stepped:
+            step = pool.outputs(r)
+            if continued == 0:
+                self._observe(verified, prefill, r, now)
+        else:
+            room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
+            if 4 * (pool.bytes + r * room) > self.settings.max_index_bytes:
+                return None                         # (the general path marks the same slots seen)
+            if continued == 0:
+                self._observe(verified, prefill, r, now)
+            if len(table.id_of) > r:
+                self._retire_gone(engine, r)
+            if ended:
+                self._store_finished(matrix, rows, slots, ends, absent=False)
+            corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
+            step = self._step(matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits=not near)
         self.stats.continued += continued
         self.stats.extended += r - continued
         return self._sent(step, rows, slots, now, engine)
@@ -219,13 +236,8 @@ class BatchDrafter:
         """`IndexPool.step` over these rows, the corpora (the distinct ones, and each row's roles) unchanged while
         it reads them."""
         corpora, row_corpora = corpora
-        if len(corpora) == 1:
-            with corpora[0].reading() as only:
-                return self.pool.step(matrix, rows, slots, starts, ends, limits, learn, [only], temperatures=temps,
-                                      row_corpora=row_corpora, fits=fits)
-        with contextlib.ExitStack() as held:
-            return self.pool.step(matrix, rows, slots, starts, ends, limits, learn,
-                                  [held.enter_context(c.reading()) for c in corpora], temperatures=temps,
+        with Reading(corpora) as held:
+            return self.pool.step(matrix, rows, slots, starts, ends, limits, learn, held, temperatures=temps,
                                   row_corpora=row_corpora, fits=fits)
 
     def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None) -> Drafts:

@@ -40,7 +40,7 @@ import numpy as np
 from numba import njit
 
 from lookup_decode.core.automaton import N_TOKENS
-from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.pool import FIRST_CAP, IndexPool, step_rows
 from lookup_decode.engines.vllm.stats import RequestStats
 from lookup_decode.sources.memory import Memory, References
 
@@ -130,6 +130,22 @@ def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot
     for j in range(r):
         last_seen[out[1, j]] = call
     return r, verified, prefill, continued, most, near, ended
+
+
+@njit(cache=True, nogil=True)
+def _steady_step(matrix, counts, emitted, row_slots, temperature, per_slot, rules, eos, out, learn, temps, known, st):
+    """`_steady` and, where nothing between the two needs Python, the pool's step over its rows (`step_rows`; st: the
+    pool's `kernel`) in the same call: each crossing into compiled code costs ~20-40 us after a model's forward.
+    That is where no row ended (its output is stored first), no slot grows, the engine holds no request beyond
+    these rows (`known`: the requests followed), and every row's new tokens fit a first room (the caller checked
+    the byte bound for that). Returns `_steady`'s and whether it stepped."""
+    r, verified, prefill, continued, most, near, ended = _steady(matrix, counts, emitted, row_slots, st.meta, st.cap,
+                                                                 temperature, per_slot, rules, eos, out, learn, temps)
+    stepped = r > 0 and near == 0 and ended == 0 and known <= r and most <= FIRST_CAP
+    if stepped:
+        step_rows(matrix, out[0, :r], out[1, :r], out[2, :r], out[3, :r], out[4, :r], learn[:r], temps[:r],
+                  st.roles[:r], st)
+    return r, verified, prefill, continued, most, near, ended, stepped
 
 
 @njit(cache=True, nogil=True)
@@ -249,6 +265,9 @@ class RequestTable:
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0, 0))
+        _steady_step(np.zeros((1, 1), np.int32), none, none, self.row_slots, self.temperature,
+                     (self.limit, self.end, self.sent, self.last_seen), (0, 0, 0, 0, 0), self.eos, *self._steady_out, 0,
+                     pool.kernel([]))
         _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
 
@@ -358,13 +377,15 @@ class RequestTable:
             self.ids[rid], self.id_of[s] = s, rid
         return claim
 
-    def steady(self, matrix, counts, emitted, ids: list, call: int, *, k: int, max_len: int, check_end: bool):
+    def steady(self, matrix, counts, emitted, ids: list, call: int, *, k: int, max_len: int, check_end: bool,
+               kernel=None):
         """The step's arrays for a call in the steady state: every row that emitted tokens (ids: the rows' request
         ids, as vLLM's runner gives them) holds a known request, its slot's text continued by them (or by a few
         missed steps: not learned), none at max_len. Returns (rows, slots, starts, ends, limits, learn, temps, sums:
         verified, prefill, continued, most new tokens, near, ended: rows whose last token is EOS or that reached
-        their end, counted if check_end), the rows' slots marked seen at `call`; None: not the steady state (no slot
-        changed)."""
+        their end, counted if check_end; stepped), the rows' slots marked seen at `call`; None: not the steady state
+        (no slot changed). kernel: the pool's `kernel`, its outputs sized for every row of the call: the pool steps
+        the rows in the same compiled call where it can (`_steady_step`; stepped: it did, into its outputs)."""
         n = len(counts)
         if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
             self.row_ids = ids[:n]
@@ -372,8 +393,15 @@ class RequestTable:
         if self._steady_out[0].shape[1] < n:
             self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n))
             self._steady_views = {}
-        r, *sums = self._steady_kernel(matrix, counts, emitted, (k, max_len, int(check_end), call,
-                                                                         self.pool.migrate_from))
+        rules = (k, max_len, int(check_end), call, self.pool.migrate_from)
+        if kernel is None:
+            r, *sums = self._steady_kernel(matrix, counts, emitted, rules)
+            sums.append(False)
+        else:
+            out, learn, temps = self._steady_out
+            r, *sums = _steady_step(matrix, counts, emitted, self.row_slots, self.temperature,
+                                    (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn,
+                                    temps, len(self.id_of), kernel)
         if r < 0:
             return None
         views = self._steady_views.get(r)
