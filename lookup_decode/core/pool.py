@@ -58,7 +58,7 @@ def drop_stale_cache(module: str, deps: tuple[str, ...]) -> None:
     """numba keys its disk cache of a module's kernels on that module's file alone, but a kernel that calls kernels
     of other files compiles them in: after an edit of one of those it would load the old code. Drop the module's
     cached kernels (module: its __file__) when those files (deps: paths under lookup_decode/) changed, a digest kept
-    beside the cache. Here `_step` compiles in the kernels of automaton.py, acceptance.py and draft.py."""
+    beside the cache. Here `step_rows` compiles in the kernels of automaton.py, acceptance.py and draft.py."""
     path, root = pathlib.Path(module), pathlib.Path(__file__).parents[1]
     digest = hashlib.sha256(b"".join((root / f).read_bytes() for f in deps))
     stamp = path.parent / "__pycache__" / f"{path.stem}.deps"

@@ -40,9 +40,13 @@ import numpy as np
 from numba import njit
 
 from lookup_decode.core.automaton import N_TOKENS
-from lookup_decode.core.pool import FIRST_CAP, IndexPool, step_rows
+from lookup_decode.core.pool import FIRST_CAP, IndexPool, drop_stale_cache, step_rows
 from lookup_decode.engines.vllm.stats import RequestStats
 from lookup_decode.sources.memory import Memory, References
+
+# `_steady_step` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
+# running the old step after an edit of those.
+drop_stale_cache(__file__, ("core/pool.py", "core/automaton.py", "core/acceptance.py", "core/draft.py"))
 
 # Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
 # requests that share a long template at both ends (same system prompt, same closing question).
