@@ -108,13 +108,10 @@ structref.define_proxy(_Kernel, _KernelType, list(_KERNEL_FIELDS))
 
 
 @njit(cache=True, nogil=True)
-def _new_kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
-            prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, roles,
-            out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
-    """A `_Kernel` (compiled and cached here: the proxy's own constructor compiles in every process)."""
-    return _Kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
-                   prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, roles,
-                   out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit)
+def _new_kernel(*fields):
+    """A `_Kernel` of these fields, in `_KERNEL_FIELDS`' order (compiled and cached here: the proxy's own constructor
+    compiles in every process)."""
+    return _Kernel(*fields)
 
 
 @dataclass
@@ -388,14 +385,13 @@ class IndexPool:
             tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]
             versions = np.array([version for _, version in corpora] or [-1], np.int64)
             self._corpus_list, self._kernel = (key, (List(tuples), versions)), None
-        if self._kernel is None:
+        if self._kernel is None:                 # (the others are the pool's attributes of the same names)
             b, (arrays, versions) = self._out, self._corpus_list[1]
-            self._kernel = _new_kernel(self.buffers, self.meta, self.cap, self.counts, self.request, self.prev,
-                                       self.prev_len, self.prev_match, self.prev_src, self.prev_end, self.prev_ver,
-                                       self.prev_branched, self.prev_temp, self.cursor, self.cursor_ver, self._rules,
-                                       self.eos, self.stops, self.params, arrays, versions,
-                                       self._roles[min(len(key), ROLES)], b.tokens, b.lengths, b.match, b.source,
-                                       b.p_kept, b.kept, b.credit)
+            parts = {"ints": self._rules, "corpora": arrays, "versions": versions,
+                     "roles": self._roles[min(len(key), ROLES)], "out_tokens": b.tokens, "out_lengths": b.lengths,
+                     "out_match": b.match, "out_source": b.source, "out_p": b.p_kept, "out_kept": b.kept,
+                     "out_credit": b.credit}
+            self._kernel = _new_kernel(*(parts[f] if f in parts else getattr(self, f) for f in _KERNEL_FIELDS))
         return self._kernel
 
 
