@@ -43,7 +43,6 @@ FORMAT = "lookup_decode.corpus"
 FORMAT_VERSION = 1
 
 
-
 class Reading:
     """`Corpus.reading()` of several corpora at once: `with Reading(corpora) as held:` held lists their (index,
     version), each corpus unchanged while the block runs. A plain class: a drafter enters it at every engine step,
