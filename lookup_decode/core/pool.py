@@ -95,7 +95,7 @@ class _KernelType(types.StructRef):
 
 
 class _Kernel(structref.StructRefProxy):
-    """What `_step` reads besides the call's rows, as one object: after a model's forward (cold caches) numba's
+    """What `step_rows` reads besides the call's rows, as one object: after a model's forward (cold caches) numba's
     dispatch takes ~10 us to unbox it, against ~45 us for its 14 per-slot arrays, rules and outputs one by one and its
     two typed lists (~20 us each: they are typed in Python)."""
 

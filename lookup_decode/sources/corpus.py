@@ -138,8 +138,8 @@ class Corpus:
     def reading(self):
         """(index, version) of the corpus, held unchanged while the block runs: for drafters that read the
         index directly (`core.pool.IndexPool.step` follows many requests over it in one call)."""
-        with self._lock:
-            yield self._index, self.version
+        with Reading((self,)) as (held,):
+            yield held
 
     def cursor(self, *, min_match: int = 1, max_match: int = 64, eos_token_ids=(), window: int = 0) -> "Cursor":
         return Cursor(self, min_match=min_match, max_match=max_match, eos_token_ids=eos_token_ids, window=window)
