@@ -26,7 +26,7 @@ import numpy as np
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.vllm import cpu_fix
 from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequests, RequestInfo
-from lookup_decode.engines.vllm.requests import fingerprints  # noqa: F401  (documented)
+from lookup_decode.engines.vllm.table_kernels import fingerprints  # noqa: F401  (documented)
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path, show_logs  # noqa: F401
 
 log = logging.getLogger("lookup_decode.vllm")

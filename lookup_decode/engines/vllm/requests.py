@@ -37,21 +37,12 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit
 
-from lookup_decode.core.automaton import N_TOKENS
-from lookup_decode.core.pool import FIRST_CAP, IndexPool, drop_stale_cache, step_rows
+from lookup_decode.core.pool import IndexPool
 from lookup_decode.engines.vllm.stats import RequestStats
+from lookup_decode.engines.vllm.table_kernels import book_rows, fingerprints, steady_rows, steady_step
 from lookup_decode.sources.memory import Memory, References
 
-# `_steady_step` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
-# running the old step after an edit of those.
-drop_stale_cache(__file__, ("core/pool.py", "core/automaton.py", "core/acceptance.py", "core/draft.py"))
-
-# Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
-# requests that share a long template at both ends (same system prompt, same closing question).
-_HEAD, _TAIL, _SPREAD = 8, 16, 8
-_MULT = np.random.default_rng(20250514).integers(1, 2**63, size=_HEAD + _TAIL + _SPREAD + 1, dtype=np.uint64) | 1
 DROPPED_KEPT = 4096                # dropped requests remembered for their prompt lengths
 NO_LIMIT = 2**31                   # a request that set no draft length of its own
 # The per-slot arrays of a RequestTable: (dtype, the value a slot's entry starts from).
@@ -65,124 +56,6 @@ _SLOT_ARRAYS = {
     "temperature": (np.float64, 0.0),  # its request's sampling temperature (0: greedy or unknown)
     "end": (np.int64, NO_LIMIT),       # the row length at which its request ends (max_tokens)
 }
-
-
-@njit(cache=True, nogil=True)
-def _fingerprints(matrix, rows, lengths, mult, out):
-    for j in range(rows.shape[0]):
-        n, row = lengths[j], rows[j]
-        h = np.uint64(0)
-        for i in range(_HEAD + _TAIL + _SPREAD):
-            if i < _HEAD:
-                pos = i
-            elif i < _HEAD + _TAIL:
-                pos = n - _TAIL + (i - _HEAD)
-            else:
-                pos = (n * (i - _HEAD - _TAIL + 1)) // (_SPREAD + 1)
-            if 0 <= pos < n:
-                h += (np.uint64(matrix[row, pos]) + np.uint64(1)) * mult[i]
-        out[j] = h + np.uint64(n) * mult[-1]
-
-
-@njit(cache=True, nogil=True)
-def _steady(matrix, counts, emitted, row_slots, meta, cap, temperature, per_slot, rules, eos, out, learn, temps):
-    """The kernel of `RequestTable.steady`: the rows' step arrays in `out` (rows, slots, starts, ends, limits), learn
-    and temps; rules: (k, max_len, check_end, call, migrate_from). Returns (rows, verified, prefill, continued, most
-    new tokens, any slot `IndexPool.reserve` has work for, rows ended); rows -1: not the steady state, nothing
-    written."""
-    limit, end, sent, last_seen = per_slot
-    k, max_len, check_end, call, migrate_from = rules[0], rules[1], rules[2], rules[3], rules[4]
-    r = verified = prefill = continued = most = near = ended = 0
-    if row_slots.shape[0] != counts.shape[0]:
-        return -1, 0, 0, 0, 0, 0, 0
-    for i in range(counts.shape[0]):
-        n = counts[i]
-        if emitted[i] == 0:
-            prefill += n                    # a row still prefilling
-            continue
-        s = row_slots[i]
-        if s < 0 or n >= max_len:
-            return -1, 0, 0, 0, 0, 0, 0
-        before, have = n - emitted[i], meta[s, N_TOKENS]
-        if have > before:                   # not the slot's text continued
-            return -1, 0, 0, 0, 0, 0, 0
-        if check_end:                       # a finished request (its output is stored before drafting)
-            if n >= end[s]:
-                ended += 1
-            else:
-                for e in eos:
-                    if matrix[i, n - 1] == e:
-                        ended += 1
-                        break
-        out[0, r], out[1, r], out[2, r], out[3, r] = i, s, have, n
-        out[4, r] = max(min(limit[s], k, end[s] - n - 1, max_len - n - 1), 0)
-        learn[r] = have == before
-        if have < before:
-            continued += 1
-        temps[r] = temperature[s]
-        verified += 1 + sent[s]
-        if have == 0:
-            prefill += n - 1
-        most = max(most, n - have)
-        # Past 3/4 of its room a slot's bigger copy starts, if its room is one that grows by copying; past its room it
-        # grows now. Smaller rooms near their end leave `reserve` nothing to do (its numpy calls: a third of a call).
-        if n > cap[s] or 4 * n > 3 * cap[s] and cap[s] >= migrate_from:
-            near = 1
-        r += 1
-    if r == 0:
-        return -1, 0, 0, 0, 0, 0, 0
-    for j in range(r):
-        last_seen[out[1, j]] = call
-    return r, verified, prefill, continued, most, near, ended
-
-
-@njit(cache=True, nogil=True)
-def _steady_step(matrix, counts, emitted, row_slots, temperature, per_slot, rules, eos, out, learn, temps, known, st):
-    """`_steady` and, where nothing between the two needs Python, the pool's step over its rows (`step_rows`; st: the
-    pool's `kernel`) in the same call: each crossing into compiled code costs ~20-40 us after a model's forward.
-    That is where no row ended (its output is stored first), no slot grows, the engine holds no request beyond
-    these rows (`known`: the requests followed), and every row's new tokens fit a first room (the caller checked
-    the byte bound for that). Returns `_steady`'s and whether it stepped."""
-    r, verified, prefill, continued, most, near, ended = _steady(matrix, counts, emitted, row_slots, st.meta, st.cap,
-                                                                 temperature, per_slot, rules, eos, out, learn, temps)
-    stepped = r > 0 and near == 0 and ended == 0 and known <= r and most <= FIRST_CAP
-    if stepped:
-        step_rows(matrix, out[0, :r], out[1, :r], out[2, :r], out[3, :r], out[4, :r], learn[:r], temps[:r],
-                  st.roles[:r], st)
-    return r, verified, prefill, continued, most, near, ended, stepped
-
-
-@njit(cache=True, nogil=True)
-def _book(slots, lengths, kept, credit, p_kept, sent, p_sent, out, p_out):
-    """The kernel of `RequestTable.book`: out int64 [7, >= r], p_out float [>= r, k] (scratch): out[:, j] = (slot,
-    kept, sent, the credit's source, version, position, kept of sent) of the j-th row that learned."""
-    learned, total, drafted = 0, 0, 0
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        if kept[i] >= 0:
-            out[0, learned], out[1, learned], out[2, learned] = s, kept[i], sent[s]
-            out[3, learned], out[4, learned], out[5, learned] = credit[i, 0], credit[i, 1], credit[i, 2]
-            out[6, learned] = min(kept[i], sent[s])
-            p_out[learned, :] = p_sent[s]
-            learned += 1
-            total += kept[i]
-        drafted += lengths[i]
-        sent[s] = lengths[i]
-        p_sent[s, :] = p_kept[i]
-    return learned, total, drafted
-
-
-def fingerprints(token_ids: np.ndarray, rows, lengths) -> np.ndarray:
-    """uint64 [r]: a fingerprint of token_ids[rows[j], :lengths[j]] for each j, from O(1) tokens per row.
-
-    It hashes the length, the first 8 and last 16 tokens and 8 tokens at evenly spaced positions, so
-    rows that differ in length or at any of those positions get different fingerprints (with
-    probability ~1 - 2**-64). Example: the rows [5, 6, 7] and [5, 6, 7, 8] at length 3 are equal.
-    """
-    rows, lengths = np.asarray(rows, np.int64), np.asarray(lengths, np.int64)
-    out = np.zeros(len(rows), np.uint64)
-    _fingerprints(token_ids, rows, lengths, _MULT, out)
-    return out
 
 
 @dataclass(frozen=True)
@@ -269,10 +142,10 @@ class RequestTable:
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0, 0))
-        _steady_step(np.zeros((1, 1), np.int32), none, none, self.row_slots, self.temperature,
+        steady_step(np.zeros((1, 1), np.int32), none, none, self.row_slots, self.temperature,
                      (self.limit, self.end, self.sent, self.last_seen), (0, 0, 0, 0, 0), self.eos, *self._steady_out, 0,
                      pool.kernel([]))
-        _book(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
+        book_rows(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
 
     def _room(self, s: int) -> None:
@@ -389,7 +262,7 @@ class RequestTable:
         verified, prefill, continued, most new tokens, near, ended: rows whose last token is EOS or that reached
         their end, counted if check_end; stepped), the rows' slots marked seen at `call`; None: not the steady state
         (no slot changed). kernel: the pool's `kernel`, its outputs sized for every row of the call: the pool steps
-        the rows in the same compiled call where it can (`_steady_step`; stepped: it did, into its outputs)."""
+        the rows in the same compiled call where it can (`steady_step`; stepped: it did, into its outputs)."""
         n = len(counts)
         if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
             self.row_ids = ids[:n]
@@ -403,7 +276,7 @@ class RequestTable:
             sums.append(False)
         else:
             out, learn, temps = self._steady_out
-            r, *sums = _steady_step(matrix, counts, emitted, self.row_slots, self.temperature,
+            r, *sums = steady_step(matrix, counts, emitted, self.row_slots, self.temperature,
                                     (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn,
                                     temps, len(self.id_of), kernel)
         if r < 0:
@@ -416,7 +289,7 @@ class RequestTable:
 
     def _steady_kernel(self, matrix, counts, emitted, rules) -> tuple:
         out, learn, temps = self._steady_out
-        return _steady(matrix, counts, emitted, self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
+        return steady_rows(matrix, counts, emitted, self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
                        (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn, temps)
 
     def book(self, slots: np.ndarray, lengths: np.ndarray, step, calibration) -> tuple[int, int, int]:
@@ -425,7 +298,7 @@ class RequestTable:
         call after a model's forward pays for every numpy call it makes). Returns (rows that learned, listed in
         the columns of `learned`: slot, kept, sent, credit's source, version, position; their kept tokens summed;
         tokens sent)."""
-        learned, total, drafted = _book(slots, lengths, step.kept, step.credit, step.p_kept, self.sent, self.p_sent,
+        learned, total, drafted = book_rows(slots, lengths, step.kept, step.credit, step.p_kept, self.sent, self.p_sent,
                                         self.learned, self._p_learned)
         if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
             calibration.observe_rows(self._p_learned[:learned], self.learned[2, :learned], self.learned[6, :learned])
