@@ -75,17 +75,41 @@ def drop_stale_cache(module: str, deps: tuple[str, ...]) -> None:
 drop_stale_cache(__file__, ("core/automaton.py", "core/acceptance.py", "core/draft.py"))
 
 
+GROW, COPY = 1, 2                  # what `room_action` asks of a slot
+
+
+@njit(cache=True, nogil=True)
+def room_action(need, cap, migrate_from):
+    """The room rule, for a slot of `cap` tokens' room about to hold `need`: GROW (a bigger room now), COPY (past 3/4
+    of its room, start its bigger copy, if its room is one that grows by copying) or 0. `reserve` and `growth` apply
+    it, and the vLLM drafter's steady check asks it whether `reserve` has anything to do (its numpy calls are a
+    third of a small call)."""
+    if need > cap:
+        return GROW
+    if 4 * need > 3 * cap and migrate_from <= cap < MAX_TOKENS:
+        return COPY
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def _room_actions(need, cap, migrate_from, out):
+    for i in range(need.shape[0]):
+        out[i] = room_action(need[i], cap[i], migrate_from)
+    return out
+
+
 def _warm_up(window: int) -> None:
-    """Compile (or load) now the kernels that growth calls: `automaton.extend` for the argument types `migrate`
-    passes it, and the rehash of `index.grown` (a slot's or a corpus's room doubling). The first growth must not
-    wait for numba inside an engine step: a memory of outputs outgrowing its room at batch 16 stalled one vLLM step
-    for 121 ms (benchmarks/results/vllm/engine_propose_b16.md)."""
+    """Compile (or load) now the kernels that growth calls: the room rule, `automaton.extend` for the argument types
+    `migrate` passes it, and the rehash of `index.grown` (a slot's or a corpus's room doubling). The first growth must
+    not wait for numba inside an engine step: a memory of outputs outgrowing its room at batch 16 stalled one vLLM
+    step for 121 ms (benchmarks/results/vllm/engine_propose_b16.md)."""
     meta = np.zeros(K.META_SIZE, np.int64)
     tok, st, ed, hk, hv = new_automaton(4, meta, fill=False)
     hk[:] = -1
     src = np.array([1, 2, 1, 2], np.int32)
     K.extend(tok, st[0], st[1], st[2], st[3], ed[0], ed[1], ed[2], hk, hv, meta, src[0:4], window)
     grown((tok, st, ed, hk, hv), meta, 4, 8)
+    _room_actions(np.zeros(1, np.int64), np.zeros(1, np.int64), 0, np.zeros(1, np.int64))
 
 
 @structref.register
@@ -245,12 +269,12 @@ class IndexPool:
         if self.copies:
             have[:] = [self.copies[s].cap if s in self.copies else 0 for s in slots.tolist()]
         out = np.zeros(len(slots), np.int64)
-        grow = np.flatnonzero(need > cap)                 # reserve grows these now (a copy is dropped)
+        action = _room_actions(need, cap, self.migrate_from, np.zeros(len(slots), np.int64))
+        grow = np.flatnonzero(action == GROW)             # reserve grows these now (a copy is dropped)
         if len(grow):
             new = np.maximum(np.left_shift(1, np.ceil(np.log2(need[grow])).astype(np.int64)), cap[grow])
             out[grow] = room_bytes(new) - room_bytes(cap[grow]) - room_bytes(have[grow])
-        start = (need <= cap) & (have == 0) & (4 * need > 3 * cap) & (cap >= self.migrate_from) \
-            & (cap < MAX_TOKENS)
+        start = (action == COPY) & (have == 0)
         out[start] = room_bytes(2 * cap[start])
         return out
 
@@ -259,16 +283,16 @@ class IndexPool:
         started (built by `migrate`), one that outgrows its room now grows now (amortized O(1) per token)."""
         need = self.meta[slots, K.N_TOKENS] + more
         cap = self.cap[slots]
-        near = 4 * need > 3 * cap
-        if not near.any():
+        action = _room_actions(need, cap, self.migrate_from, np.zeros(len(slots), np.int64))
+        if not action.any():
             return
         if need.max(initial=0) > MAX_TOKENS:
             raise ValueError(f"a pool slot holds at most {MAX_TOKENS} tokens (int32 positions)")
-        for i in np.flatnonzero(near):
+        for i in np.flatnonzero(action):
             s, n, c = int(slots[i]), int(need[i]), int(cap[i])
-            if n > c:
+            if action[i] == GROW:
                 self._grow_now(s, n)
-            elif s not in self.copies and c >= self.migrate_from and c < MAX_TOKENS:
+            elif s not in self.copies:
                 meta = np.zeros(K.META_SIZE, np.int64)
                 self.copies[s] = _Copy(2 * c, new_automaton(2 * c, meta, fill=False), meta)
                 self.bytes += int(room_bytes(2 * c))

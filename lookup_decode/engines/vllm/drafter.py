@@ -26,8 +26,8 @@ import numpy as np
 from lookup_decode.core.tokens import eos_ids
 from lookup_decode.engines.vllm import cpu_fix
 from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequests, RequestInfo
-from lookup_decode.engines.vllm.table_kernels import fingerprints  # noqa: F401  (documented)
 from lookup_decode.engines.vllm.settings import ENV_PREFIX, Settings, replica_path, show_logs  # noqa: F401
+from lookup_decode.engines.vllm.table_kernels import fingerprints  # noqa: F401  (documented)
 
 log = logging.getLogger("lookup_decode.vllm")
 KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read

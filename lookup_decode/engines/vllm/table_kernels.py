@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit
 
 from lookup_decode.core.automaton import N_TOKENS
-from lookup_decode.core.pool import FIRST_CAP, drop_stale_cache, step_rows
+from lookup_decode.core.pool import FIRST_CAP, drop_stale_cache, room_action, step_rows
 
 # `steady_step` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
 # running the old step after an edit of those.
@@ -75,9 +75,7 @@ def steady_rows(matrix, counts, emitted, row_slots, meta, cap, temperature, per_
         if have == 0:
             prefill += n - 1
         most = max(most, n - have)
-        # Past 3/4 of its room a slot's bigger copy starts, if its room is one that grows by copying; past its room it
-        # grows now. Smaller rooms near their end leave `reserve` nothing to do (its numpy calls: a third of a call).
-        if n > cap[s] or 4 * n > 3 * cap[s] and cap[s] >= migrate_from:
+        if room_action(n, cap[s], migrate_from):   # `reserve` has work (else it is skipped: a third of a call)
             near = 1
         r += 1
     if r == 0:
