@@ -78,7 +78,7 @@ def test_bench_reports_the_calibration_per_variant(tmp_path, monkeypatch, capsys
     summary = measure.compare(measured, "lookup_decode")
     rows = summary["calibration"]
     assert sum(r["tokens"] for r in rows) == 120                     # both prompts' tokens, merged
-    assert set(rows[0]) == {"bin_low", "bin_high", "tokens", "predicted", "kept"}
+    assert set(rows[0]) == {"bin_low", "bin_high", "tokens", "predicted", "kept", "chance"}
     assert 0 <= summary["calibration_error"] <= 1
     json.dumps(summary)                                              # the JSON output holds it as it is
     lines = bench.calibration_lines("lookup_decode", summary)

@@ -212,6 +212,31 @@ def test_calibrated_on_a_stream_with_known_keep_rates(keep):
     assert cal.error(500) <= 0.05, cal.summary(500)
 
 
+def test_calibration_knows_how_far_a_calibrated_model_strays_by_chance():
+    """The chance spread `Calibration` reports per bin is the standard deviation of the share kept were every
+    prediction exact, a kept prefix per row (token j kept only if every earlier one was): drawn 4,000 times from
+    those predictions, the shares kept spread by it. Tokens counted as independent would spread less."""
+    rng = np.random.default_rng(5)
+    q = rng.uniform(0.75, 1.0, (12, 8))                  # per row: P(token j kept | the ones before kept)
+    p = np.cumprod(q, axis=1)                             # what the model predicts: the prefix kept through j
+    sent = rng.integers(3, 9, 12)
+    exact = Calibration()
+    exact.observe_rows(p, sent, np.zeros(12, np.int64))
+    shares = []
+    for _ in range(4000):
+        miss = rng.random((12, 8)) >= q
+        kept = np.minimum(np.where(miss.any(axis=1), miss.argmax(axis=1), 8), sent)     # up to the first miss
+        drawn = Calibration()
+        drawn.observe_rows(p, sent, kept)
+        shares.append([r.kept for r in drawn.rows()])
+    rows = exact.rows()
+    assert [r.chance for r in rows] == pytest.approx(np.std(shares, axis=0), rel=0.1)
+    assert [r.predicted for r in rows] == pytest.approx(np.mean(shares, axis=0), abs=0.02)
+    independent = Calibration()
+    independent.observe(p[np.arange(8) < sent[:, None]], np.zeros(int(sent.sum()), bool))
+    assert max(r.chance / i.chance for r, i in zip(rows, independent.rows())) > 1.3
+
+
 def test_sampled_rows_have_cells_of_their_own():
     greedy, sampled = DraftPolicy(8), DraftPolicy(8, temperature=0.7)
     sampled.counts = greedy.counts                      # one pool: greedy evidence does not price sampled rows

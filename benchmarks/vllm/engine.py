@@ -56,7 +56,7 @@ from pathlib import Path
 
 from benchmarks.harness.model import CODE_MODEL, DTYPES, hf_folder
 from benchmarks.vllm.engine_report import MEMORY_METHODS, OURS, PHASES, REFERENCE, finish, reference_outputs
-from lookup_decode.core.stats import Calibration
+from lookup_decode.core.stats import CALIBRATION_FIELDS, Calibration
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "vllm"
@@ -208,10 +208,9 @@ def calibration_of(drafter) -> Calibration | None:
 
 def calibration_since(after: Calibration, before: Calibration) -> dict:
     """What a cell added to the table: the per-bin differences, as a cell stores them ({"tokens", "predicted",
-    "kept"}; `engine_report.calibration` reads them back). Note for the lead: `Calibration.subtract`, not in
-    core.stats yet."""
-    return {name: [a - b for a, b in zip(getattr(after, name), getattr(before, name))]
-            for name in ("tokens", "predicted", "kept")}
+    "kept", "variance"}; `engine_report.calibration` reads them back). Note for the lead: `Calibration.subtract`,
+    not in core.stats yet."""
+    return {name: (after.table[i] - before.table[i]).tolist() for i, name in enumerate(CALIBRATION_FIELDS)}
 
 
 # ------------------------------------------------------------------------------------------- the engine process

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lookup_decode.core.stats import CALIBRATION_BINS, CALIBRATION_MIN_TOKENS, Calibration
+from lookup_decode.core.stats import CALIBRATION_BINS, CALIBRATION_FIELDS, CALIBRATION_MIN_TOKENS, Calibration
 from lookup_decode.measure import spread
 
 # The method names the results use, in table order; MEMORY_METHODS remember outputs across requests (the run gives
@@ -37,11 +37,11 @@ def calibration(value) -> Calibration | None:
     if value is None or isinstance(value, Calibration):
         return value
     if isinstance(value, dict):
-        return Calibration(np.array([value[k] for k in ("tokens", "predicted", "kept")], np.float64))
+        return Calibration(np.array([value.get(k, [0.0] * CALIBRATION_BINS) for k in CALIBRATION_FIELDS], np.float64))
     cal = Calibration()
     for r in value:
         i = min(int(round(r["bin_low"] * CALIBRATION_BINS)), CALIBRATION_BINS - 1)
-        cal.table[:, i] += (int(r["tokens"]), r["predicted"] * r["tokens"], round(r["kept"] * r["tokens"]))
+        cal.table[:3, i] += (int(r["tokens"]), r["predicted"] * r["tokens"], round(r["kept"] * r["tokens"]))
     return cal
 
 

@@ -184,9 +184,9 @@ def calibration_lines(name: str, summary: dict) -> list[str]:
     if not rows:
         return [f"  calibration of {name}: no draft token sent carried a prediction"]
     out = [f"  calibration of {name} (draft tokens sent, by predicted probability of being kept):",
-           f"    {'predicted':>9}  {'tokens':>7}  {'mean predicted':>14}  {'share kept':>10}"]
+           f"    {'predicted':>9}  {'tokens':>7}  {'mean predicted':>14}  {'share kept':>10}  {'by chance':>9}"]
     out += [f"    {r['bin_low']:.1f}-{r['bin_high']:.1f}  {r['tokens']:>7}  {r['predicted']:>14.2f}  {r['kept']:>10.2f}"
-            for r in rows]
+            f"  {'+-' + format(r['chance'], '.2f'):>9}" for r in rows]
     if any(r["tokens"] >= CALIBRATION_MIN_TOKENS for r in rows):
         out.append(f"    largest |mean predicted - share kept| over bins of >= {CALIBRATION_MIN_TOKENS} tokens: "
                    f"{summary['calibration_error']:.2f}")

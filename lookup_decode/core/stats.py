@@ -19,28 +19,35 @@ from numba import njit
 
 CALIBRATION_BINS = 10                   # equal-width bins of predicted probability over [0, 1]
 CALIBRATION_MIN_TOKENS = 50             # a bin with fewer tokens is too noisy to judge (`Calibration.error`)
+CALIBRATION_FIELDS = ("tokens", "predicted", "kept", "variance")    # the rows of `Calibration.table`
 
 
 class CalibrationRow(NamedTuple):
     """One bin of a reliability table: the draft tokens sent whose predicted probability of being kept lay in
-    [bin_low, bin_high), their mean predicted probability, and the share of them the target kept."""
+    [bin_low, bin_high), their mean predicted probability, the share of them the target kept, and how far that share
+    would stray by chance alone (its standard deviation were the predictions exact)."""
     bin_low: float
     bin_high: float
     tokens: int
     predicted: float
     kept: float
+    chance: float
 
 
 @dataclass
 class Calibration:
     """How well the acceptance model knows what will be kept: per bin of predicted probability, the tokens sent,
-    the sum of their predicted probabilities and how many were kept. A calibrated model's mean prediction equals
-    the share kept in every bin; `error` is the largest gap over bins holding enough tokens to tell.
+    the sum of their predicted probabilities, how many were kept, and the variance of that count were the predictions
+    exact. A calibrated model's mean prediction equals the share kept in every bin, up to chance; `error` is the
+    largest gap over bins holding enough tokens to tell.
 
     Each prediction is the probability that the token *and every draft token before it* are kept (what a row
-    keeps is a prefix), so `observe_rows` marks the first `kept` tokens of each row's sent draft as kept.
+    keeps is a prefix), so `observe_rows` marks the first `kept` tokens of each row's sent draft as kept. The same
+    nesting makes a draft's tokens count as one outcome more than as many: token j kept implies every earlier token
+    i kept (Cov = p_j (1 - p_i)), so a bin of a few hundred tokens from a few dozen drafts strays by ~0.1 by chance
+    (benchmarks/results/readme_job/README.md).
     """
-    table: np.ndarray = field(default_factory=lambda: np.zeros((3, CALIBRATION_BINS)))  # tokens, predicted, kept
+    table: np.ndarray = field(default_factory=lambda: np.zeros((len(CALIBRATION_FIELDS), CALIBRATION_BINS)))
 
     @property
     def tokens(self) -> list[int]:
@@ -73,20 +80,23 @@ class Calibration:
 
     def rows(self) -> list[CalibrationRow]:
         """The bins that hold tokens, lowest first."""
-        tokens, predicted, kept = self.table.tolist()
+        tokens, predicted, kept, variance = self.table.tolist()
         return [CalibrationRow(i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS, int(n), predicted[i] / n,
-                               kept[i] / n) for i, n in enumerate(tokens) if n]
+                               kept[i] / n, max(variance[i], 0.0) ** 0.5 / n) for i, n in enumerate(tokens) if n]
 
     def error(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> float:
         """The largest |mean predicted - share kept| over the bins holding at least min_tokens (0 when none)."""
         return max((abs(r.predicted - r.kept) for r in self.rows() if r.tokens >= min_tokens), default=0.0)
 
     def summary(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> str:
-        """One line: predicted -> kept per bin, and the largest gap over bins of >= min_tokens tokens."""
+        """One line: predicted -> kept per bin, and the largest gap over bins of >= min_tokens tokens beside what
+        chance alone would give that bin (a standard deviation)."""
         rows = self.rows()
         bins = ", ".join(f"{r.predicted:.2f}->{r.kept:.2f} ({r.tokens})" for r in rows)
-        worst = (f"worst gap {self.error(min_tokens):.2f}" if any(r.tokens >= min_tokens for r in rows)
-                 else f"no bin holds {min_tokens} tokens yet")
+        judged = [r for r in rows if r.tokens >= min_tokens]
+        worst = max(judged, key=lambda r: abs(r.predicted - r.kept), default=None)
+        worst = (f"worst gap {abs(worst.predicted - worst.kept):.2f} (by chance alone: +-{worst.chance:.2f})"
+                 if worst else f"no bin holds {min_tokens} tokens yet")
         return f"calibration (predicted->kept, tokens): {bins or 'nothing sent'}; {worst}"
 
 
@@ -96,8 +106,10 @@ _NO_FLAGS = np.zeros((1, 0), np.bool_)
 @njit(cache=True, nogil=True)
 def _observe(table, p_kept, sent, flags, kept):
     """Add the first sent[i] predictions of each row i to their bins: kept where flags[i, j] (when flags has
-    columns), else where j < kept[i]."""
+    columns: independent tokens), else where j < kept[i] (a kept prefix: `Calibration`'s variance)."""
+    earlier = np.zeros(CALIBRATION_BINS)       # per bin: sum of (1 - p) over the row's earlier tokens in it
     for i in range(sent.shape[0]):
+        earlier[:] = 0.0
         for j in range(min(sent[i], p_kept.shape[1])):
             p = min(max(p_kept[i, j], 0.0), 1.0)
             b = min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)
@@ -105,6 +117,9 @@ def _observe(table, p_kept, sent, flags, kept):
             table[1, b] += p
             if flags[i, j] if flags.shape[1] else j < kept[i]:
                 table[2, b] += 1.0
+            table[3, b] += p * (1.0 - p) + 2.0 * p * earlier[b]
+            if not flags.shape[1]:
+                earlier[b] += 1.0 - p
 
 
 @dataclass
