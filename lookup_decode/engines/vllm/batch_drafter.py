@@ -50,8 +50,6 @@ from lookup_decode.sources.memory import Memory, References, prediction_of
 log = logging.getLogger("lookup_decode.vllm")
 
 
-
-
 class BatchDrafter:
     """Drafts for a batch of rows, keeping each request's index, the memory of outputs and the step cost."""
 
