@@ -429,7 +429,6 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 def finish(result: dict, out: Path, name: str) -> None:
     """Summary, goals, files, printout."""
     out = Path(out)
