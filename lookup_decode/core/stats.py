@@ -84,17 +84,21 @@ class Calibration:
         return [CalibrationRow(i / CALIBRATION_BINS, (i + 1) / CALIBRATION_BINS, int(n), predicted[i] / n,
                                kept[i] / n, max(variance[i], 0.0) ** 0.5 / n) for i, n in enumerate(tokens) if n]
 
+    def worst(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> CalibrationRow | None:
+        """The bin with the largest |mean predicted - share kept| of those holding at least min_tokens (None: none)."""
+        return max((r for r in self.rows() if r.tokens >= min_tokens), key=lambda r: abs(r.predicted - r.kept),
+                   default=None)
+
     def error(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> float:
         """The largest |mean predicted - share kept| over the bins holding at least min_tokens (0 when none)."""
-        return max((abs(r.predicted - r.kept) for r in self.rows() if r.tokens >= min_tokens), default=0.0)
+        worst = self.worst(min_tokens)
+        return abs(worst.predicted - worst.kept) if worst else 0.0
 
     def summary(self, min_tokens: int = CALIBRATION_MIN_TOKENS) -> str:
         """One line: predicted -> kept per bin, and the largest gap over bins of >= min_tokens tokens beside what
         chance alone would give that bin (a standard deviation)."""
-        rows = self.rows()
-        bins = ", ".join(f"{r.predicted:.2f}->{r.kept:.2f} ({r.tokens})" for r in rows)
-        judged = [r for r in rows if r.tokens >= min_tokens]
-        worst = max(judged, key=lambda r: abs(r.predicted - r.kept), default=None)
+        bins = ", ".join(f"{r.predicted:.2f}->{r.kept:.2f} ({r.tokens})" for r in self.rows())
+        worst = self.worst(min_tokens)
         worst = (f"worst gap {abs(worst.predicted - worst.kept):.2f} (by chance alone: +-{worst.chance:.2f})"
                  if worst else f"no bin holds {min_tokens} tokens yet")
         return f"calibration (predicted->kept, tokens): {bins or 'nothing sent'}; {worst}"
@@ -172,7 +176,7 @@ class DecodeStats:
             del self.row_steps[: len(self.row_steps) - self.keep_steps // 2]
 
     def calibration(self) -> list[CalibrationRow]:
-        """The reliability table of the acceptance model: rows (bin_low, bin_high, tokens, predicted, kept)."""
+        """The reliability table of the acceptance model: rows (bin_low, bin_high, tokens, predicted, kept, chance)."""
         return self.reliability.rows()
 
     @property

@@ -74,7 +74,7 @@ class DrafterStats:
         return out
 
     def calibration(self) -> list:
-        """The acceptance model's reliability table: rows (bin_low, bin_high, tokens, predicted, kept)."""
+        """The acceptance model's reliability table: rows (bin_low, bin_high, tokens, predicted, kept, chance)."""
         return self.reliability.rows()
 
     def summary(self, calibration: bool = True) -> str:
