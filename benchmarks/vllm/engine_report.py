@@ -330,10 +330,11 @@ def cell_table(rows: dict) -> list[str]:
 
 
 def calibration_table(rows: list[dict]) -> list[str]:
-    lines = ["| predicted in | tokens | mean predicted | share kept | gap |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
+    lines = ["| bin | tokens | mean predicted | share kept | gap | chance sd |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:                                # (results stored before the chance spread show –)
         lines.append(f"| {r['bin_low']:.1f}–{r['bin_high']:.1f} | {r['tokens']:,} | {r['predicted']:.3f} | "
-                     f"{r['kept']:.3f} | {r['kept'] - r['predicted']:+.3f} |")
+                     f"{r['kept']:.3f} | {r['kept'] - r['predicted']:+.3f} | "
+                     f"{'±%.3f' % r['chance'] if r.get('chance') else '–'} |")
     return lines
 
 
