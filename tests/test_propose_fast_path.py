@@ -49,7 +49,7 @@ def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None,
 
     def stepped(*a, **kw):
         got = table_steady(*a, **kw)
-        fused[0] += got is not None and bool(got[-1][-1])
+        fused[0] += got is not None and bool(got[-1][6])     # (sums: ..., stepped, learned, total, drafted)
         return got
 
     drafter.requests.steady = stepped

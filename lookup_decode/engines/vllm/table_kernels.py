@@ -3,14 +3,18 @@ the pool's step in the same call), and the bookkeeping of what each row was sent
 arguments; the table (`requests.py`) keeps the state and decides when each runs."""
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.experimental import structref
 
 from lookup_decode.core.automaton import N_TOKENS
 from lookup_decode.core.pool import FIRST_CAP, drop_stale_cache, room_action, step_rows
+from lookup_decode.core.stats import calibrate
+from lookup_decode.core.step_cost import choose_line, observe_line
 
-# `steady_step` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
+# `steady_call` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
 # running the old step after an edit of those.
-drop_stale_cache(__file__, ("core/pool.py", "core/automaton.py", "core/acceptance.py", "core/draft.py"))
+drop_stale_cache(__file__, ("core/pool.py", "core/automaton.py", "core/acceptance.py", "core/draft.py",
+                            "core/step_cost.py", "core/policy.py", "core/stats.py"))
 
 # Fingerprint positions: the first and last tokens tell most requests apart; evenly spaced ones catch
 # requests that share a long template at both ends (same system prompt, same closing question).
@@ -85,21 +89,71 @@ def steady_rows(matrix, counts, emitted, row_slots, meta, cap, temperature, per_
     return r, verified, prefill, continued, most, near, ended
 
 
+@structref.register
+class _TableKernelType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class TableKernel(structref.StructRefProxy):
+    """What `steady_call` reads besides the call's rows and the pool's `kernel`, as one object: the table's per-slot
+    arrays and scratch, the step cost's sums and constants, and the calibration table (`RequestTable.kernel`). One
+    object to unbox, where its 17 arrays one by one would cost ~3 us each after a model's forward."""
+
+
+TABLE_FIELDS = ("limit", "end", "sent", "last_seen", "temperature", "eos", "out", "learn", "temps", "lengths", "p_sent",
+                "learned", "p_learned", "cost", "cost_params", "calibration", "no_flags")
+structref.define_proxy(TableKernel, _TableKernelType, list(TABLE_FIELDS))
+
+
+@njit(cache=True)
+def new_table_kernel(*fields):
+    """A `TableKernel` of these fields, in `TABLE_FIELDS`' order (compiled once and cached, as the pool's)."""
+    return TableKernel(*fields)
+
+
 @njit(cache=True, nogil=True)
-def steady_step(matrix, counts, emitted, row_slots, temperature, per_slot, rules, eos, out, learn, temps, known, st):
-    """`steady_rows` and, where nothing between the two needs Python, the pool's step over its rows (`step_rows`; st:
-    the pool's `kernel`) in the same call: each crossing into compiled code costs ~20-40 us after a model's forward.
-    That is where no row ended (its output is stored first), no slot grows, the engine holds no request beyond
-    these rows (`known`: the requests followed), and every row's new tokens fit a first room (the caller checked
-    the byte bound for that). Returns `steady_rows`'s and whether it stepped."""
-    r, verified, prefill, continued, most, near, ended = steady_rows(matrix, counts, emitted, row_slots, st.meta,
-                                                                     st.cap, temperature, per_slot, rules, eos, out,
-                                                                     learn, temps)
+def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t, st):
+    """`steady_rows` and, where nothing between the parts needs Python, the rest of the call in the same compiled
+    call (each crossing into compiled code costs ~20-40 us after a model's forward): the pool's step over the rows
+    (`step_rows`; st: the pool's `kernel`), then the last step's time into the step cost (`StepCost.observe` on its
+    line), this step's lengths (`StepCost.choose` on its line) and their booking (`book_rows`, the calibration).
+    It steps where no row ended (its output is stored first), no slot grows, the engine holds no request beyond
+    these rows and every row's new tokens fit a first room (the caller checked the byte bound for that).
+    rules: (k, max_len, check_end, call, migrate_from, known requests, finish: 0 the step only, 1 its lengths as
+    drafted, 2 chosen; the engine's token budget, -1 none); seconds: since the last call (<= 0: not observed);
+    t: the table's `TableKernel`. Returns `steady_rows`'s, whether it stepped, and `book_rows`'s (0s unless
+    finished; the lengths in t.lengths)."""
+    k, max_len, check_end, call, migrate_from, known, finish, budget = rules
+    r, verified, prefill, continued, most, near, ended = steady_rows(
+        matrix, counts, emitted, row_slots, st.meta, st.cap, t.temperature, (t.limit, t.end, t.sent, t.last_seen),
+        (k, max_len, check_end, call, migrate_from), t.eos, t.out, t.learn, t.temps)
     stepped = r > 0 and near == 0 and ended == 0 and known <= r and most <= FIRST_CAP
+    learned = total = drafted = 0
     if stepped:
-        step_rows(matrix, out[0, :r], out[1, :r], out[2, :r], out[3, :r], out[4, :r], learn[:r], temps[:r],
+        out = t.out
+        step_rows(matrix, out[0, :r], out[1, :r], out[2, :r], out[3, :r], out[4, :r], t.learn[:r], t.temps[:r],
                   st.roles[:r], st)
-    return r, verified, prefill, continued, most, near, ended, stepped
+    if stepped and finish:
+        p_kept, lengths = st.out_p[:r], t.lengths[:r]
+        prior, weight, forget = t.cost_params[0], t.cost_params[1], t.cost_params[2]
+        if continued == 0 and seconds > 0:      # the step since the last call, none of whose rows missed steps
+            if budget >= 0:                     # chunked: a step's chunks fill at most the budget
+                prefill = max(0, min(prefill, budget - verified))
+            observe_line(t.cost, float(verified + prefill), float(prefill), 1.0 if verified > r else 0.0, seconds,
+                         forget, prior, weight)
+        if finish == 1:
+            lengths[:] = st.out_lengths[:r]
+        else:
+            lengths[:] = 0
+            choose_line(t.cost, prior, weight, p_kept, st.out_lengths[:r], r, 0, np.empty(r * p_kept.shape[1] + 1),
+                        lengths)
+        learned, total, drafted = book_rows(t.out[1, :r], lengths, st.out_kept[:r], st.out_credit[:r], p_kept, t.sent,
+                                            t.p_sent, t.learned, t.p_learned)
+        if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
+            calibrate(t.calibration, t.p_learned[:learned], t.learned[2, :learned], t.no_flags,
+                      t.learned[6, :learned])
+    return r, verified, prefill, continued, most, near, ended, stepped, learned, total, drafted
 
 
 @njit(cache=True, nogil=True)
