@@ -150,13 +150,13 @@ class RequestTable:
         self.row_slots = np.zeros(0, np.int64)
         self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
-        self._kernel: tuple = (None, None, None)    # (TableKernel, the cost sums and calibration table it holds)
+        self._kernel: tuple = (None, None)     # (TableKernel, the pool kernel, cost sums and calibration it holds)
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0, 0))
         stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, table=np.zeros((1, 1)))
         steady_call(np.zeros((1, 1), np.int32), none, none, self.row_slots, (0,) * 8, -1.0,
-                    self.kernel(stand_in, stand_in), pool.kernel([]))
-        self._kernel = (None, None, None)
+                    self.kernel(pool.kernel([]), stand_in, stand_in))
+        self._kernel = (None, None)
         book_rows(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
 
@@ -169,7 +169,7 @@ class RequestTable:
             k = self.p_sent.shape[1]
             self.p_sent = np.concatenate([self.p_sent, np.zeros((n - len(self.p_sent), k))])
             self.learned, self._p_learned = np.zeros((7, n), np.int64), np.zeros((n, k))     # (scratch)
-            self._kernel = (None, None, None)     # (it holds the arrays replaced)
+            self._kernel = (None, None)     # (it holds the arrays replaced)
 
     # -- the fingerprint table ------------------------------------------------------------------------
     def _pop(self, fp: int) -> int:
@@ -288,7 +288,7 @@ class RequestTable:
         if self._steady_out[0].shape[1] < n:
             self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n),
                                 np.zeros(2 * n, np.int64))
-            self._steady_views, self._kernel = {}, (None, None, None)
+            self._steady_views, self._kernel = {}, (None, None)
         rules = (k, max_len, int(check_end), call, self.pool.migrate_from)
         if kernel is None:
             r, *sums = self._steady_kernel(matrix, counts, emitted, rules)
@@ -296,7 +296,7 @@ class RequestTable:
         else:
             r, *sums = steady_call(matrix, counts, emitted, self.row_slots,
                                    (*rules, len(self.id_of), finish, budget), seconds,
-                                   self.kernel(cost, calibration), kernel)
+                                   self.kernel(kernel, cost, calibration))
         if r < 0:
             return None
         views = self._steady_views.get(r)
@@ -305,18 +305,19 @@ class RequestTable:
             views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r], lengths[:r])
         return (*views, sums)
 
-    def kernel(self, cost, calibration) -> TableKernel:
-        """What `steady_call` reads of the table, the step cost (`StepCost`) and the calibration (`Calibration`), as
-        one object; kept while their arrays are."""
+    def kernel(self, pool_kernel, cost, calibration) -> TableKernel:
+        """What `steady_call` reads: the pool's `kernel`, the table's arrays, the step cost's (`StepCost`) and the
+        calibration's (`Calibration`), as one object; kept while they are."""
         state, table = cost.state, calibration.table
-        tk, held_state, held_table = self._kernel
-        if tk is None or held_state is not state or held_table is not table:
+        tk, held = self._kernel
+        if tk is None or held[0] is not pool_kernel or held[1] is not state or held[2] is not table:
             out, learn, temps, lengths = self._steady_out
             params = np.array([cost.prior, cost.prior_weight, cost.forget])
             parts = {"out": out, "learn": learn, "temps": temps, "lengths": lengths, "p_learned": self._p_learned,
-                     "cost": state, "cost_params": params, "calibration": table, "no_flags": NO_FLAGS}
+                     "cost": state, "cost_params": params, "calibration": table, "no_flags": NO_FLAGS,
+                     "pool": pool_kernel}
             tk = new_table_kernel(*(parts[f] if f in parts else getattr(self, f) for f in TABLE_FIELDS))
-            self._kernel = (tk, state, table)
+            self._kernel = tk, (pool_kernel, state, table)
         return tk
 
     def _steady_kernel(self, matrix, counts, emitted, rules) -> tuple:

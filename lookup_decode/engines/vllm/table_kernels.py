@@ -5,6 +5,7 @@ arguments; the table (`requests.py`) keeps the state and decides when each runs.
 import numpy as np
 from numba import njit, types
 from numba.experimental import structref
+from numba.extending import typeof_impl
 
 from lookup_decode.core.automaton import N_TOKENS
 from lookup_decode.core.pool import FIRST_CAP, drop_stale_cache, room_action, step_rows
@@ -96,14 +97,16 @@ class _TableKernelType(types.StructRef):
 
 
 class TableKernel(structref.StructRefProxy):
-    """What `steady_call` reads besides the call's rows and the pool's `kernel`, as one object: the table's per-slot
-    arrays and scratch, the step cost's sums and constants, and the calibration table (`RequestTable.kernel`). One
-    object to unbox, where its 17 arrays one by one would cost ~3 us each after a model's forward."""
+    """What `steady_call` reads besides the call's rows, as one object: the table's per-slot arrays and scratch, the
+    step cost's sums and constants, the calibration table and the pool's `kernel` (`RequestTable.kernel`). After a
+    model's forward each object numba's dispatch types in Python costs ~8 us (a call itself ~6 us), so the call
+    takes one."""
 
 
 TABLE_FIELDS = ("limit", "end", "sent", "last_seen", "temperature", "eos", "out", "learn", "temps", "lengths", "p_sent",
-                "learned", "p_learned", "cost", "cost_params", "calibration", "no_flags")
+                "learned", "p_learned", "cost", "cost_params", "calibration", "no_flags", "pool")
 structref.define_proxy(TableKernel, _TableKernelType, list(TABLE_FIELDS))
+typeof_impl.register(TableKernel)(lambda value, context: value._type)    # (as the pool's kernel: core/pool.py)
 
 
 @njit(cache=True)
@@ -113,18 +116,19 @@ def new_table_kernel(*fields):
 
 
 @njit(cache=True, nogil=True)
-def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t, st):
+def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
     """`steady_rows` and, where nothing between the parts needs Python, the rest of the call in the same compiled
-    call (each crossing into compiled code costs ~20-40 us after a model's forward): the pool's step over the rows
-    (`step_rows`; st: the pool's `kernel`), then the last step's time into the step cost (`StepCost.observe` on its
-    line), this step's lengths (`StepCost.choose` on its line) and their booking (`book_rows`, the calibration).
-    It steps where no row ended (its output is stored first), no slot grows, the engine holds no request beyond
-    these rows and every row's new tokens fit a first room (the caller checked the byte bound for that).
-    rules: (k, max_len, check_end, call, migrate_from, known requests, finish: 0 the step only, 1 its lengths as
-    drafted, 2 chosen; the engine's token budget, -1 none); seconds: since the last call (<= 0: not observed);
-    t: the table's `TableKernel`. Returns `steady_rows`'s, whether it stepped, and `book_rows`'s (0s unless
-    finished; the lengths in t.lengths)."""
+    call (each crossing into compiled code costs ~6 us after a model's forward, and ~8 more for each object numba
+    types in Python): the pool's step over the rows (`step_rows`), then the last step's time into the step cost
+    (`StepCost.observe` on its line), this step's lengths (`StepCost.choose` on its line) and their booking
+    (`book_rows`, the calibration). It steps where no row ended (its output is stored first), no slot grows, the
+    engine holds no request beyond these rows and every row's new tokens fit a first room (the caller checked the
+    byte bound for that). rules: (k, max_len, check_end, call, migrate_from, known requests, finish: 0 the step
+    only, 1 its lengths as drafted, 2 chosen; the engine's token budget, -1 none); seconds: since the last call
+    (<= 0: not observed); t: the table's `TableKernel` (t.pool: the pool's `kernel`). Returns `steady_rows`'s,
+    whether it stepped, and `book_rows`'s (0s unless finished; the lengths in t.lengths)."""
     k, max_len, check_end, call, migrate_from, known, finish, budget = rules
+    st = t.pool
     r, verified, prefill, continued, most, near, ended = steady_rows(
         matrix, counts, emitted, row_slots, st.meta, st.cap, t.temperature, (t.limit, t.end, t.sent, t.last_seen),
         (k, max_len, check_end, call, migrate_from), t.eos, t.out, t.learn, t.temps)
