@@ -72,7 +72,7 @@ class SimRunner:
         self.drafter = drafter
         self.max_model_len = max_model_len
         self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)
-        self.num_tokens_no_spec = np.zeros(max_num_reqs, np.int64)
+        self.num_tokens_no_spec = np.zeros(max_num_reqs, np.int32)   # (int32 as vLLM's)
         self.rows: list[SimRequest | None] = [None] * max_num_reqs
         self.rng = np.random.default_rng(seed)
         self.p_unscheduled, self.p_swap = p_unscheduled, p_swap

@@ -131,6 +131,7 @@ class BatchDrafter:
             if out is not None:
                 return out
         self.requests.row_ids = None                # slots may change: the next call finds its rows' slots by id
+        counts, emitted = np.asarray(counts, np.int64), np.asarray(emitted, np.int64)    # (vLLM's counts: int32)
         rows = np.flatnonzero(emitted > 0)
         if self.max_model_len is not None:
             rows = rows[counts[rows] < self.max_model_len]

@@ -31,6 +31,9 @@ from lookup_decode.engines.vllm.table_kernels import fingerprints  # noqa: F401 
 
 log = logging.getLogger("lookup_decode.vllm")
 KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read
+_ONE_ROW = tuple(np.full(1, n, np.int64) for n in range(64))     # emitted counts of a batch of one row
+for _row in _ONE_ROW:
+    _row.flags.writeable = False
 
 
 def _numpy(array) -> np.ndarray:
@@ -167,8 +170,16 @@ class LookupDrafter(BatchDrafter):
                 matrix = np.ascontiguousarray(matrix, np.int32)
             elif matrix is token_ids_cpu:
                 self._matrix = matrix
-        counts = _numpy(num_tokens_no_spec)[:B].astype(np.int64, copy=False)
-        emitted = np.fromiter(map(len, sampled_token_ids), np.int64, count=B)
+        # After a model's forward a numpy call costs ~10 us: vLLM's int32 counts are taken as they are (the steady
+        # call is compiled for them), and one row's emitted count is a prebuilt array.
+        counts = num_tokens_no_spec if isinstance(num_tokens_no_spec, np.ndarray) else _numpy(num_tokens_no_spec)
+        if counts.dtype != np.int32:
+            counts = counts.astype(np.int64, copy=False)
+        counts = counts[:B]
+        if B == 1 and len(sampled_token_ids[0]) < len(_ONE_ROW):
+            emitted = _ONE_ROW[len(sampled_token_ids[0])]
+        else:
+            emitted = np.fromiter(map(len, sampled_token_ids), np.int64, count=B)
         runner = self._runner() if self._runner is not None else None
         engine = None
         if runner is not None:

@@ -152,10 +152,11 @@ class RequestTable:
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         self._kernel: tuple = (None, None)     # (TableKernel, the pool kernel, cost sums and calibration it holds)
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
-        self._steady_kernel(np.zeros((1, 1), np.int32), none, none, (0, 0, 0, 0, 0))
         stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, table=np.zeros((1, 1)))
-        steady_call(np.zeros((1, 1), np.int32), none, none, self.row_slots, (0,) * 8, -1.0,
-                    self.kernel(pool.kernel([]), stand_in, stand_in))
+        for counts in (none, none.astype(np.int32)):  # (vLLM's counts are int32; tests' and the general path's int64)
+            self._steady_kernel(np.zeros((1, 1), np.int32), counts, none, (0, 0, 0, 0, 0))
+            steady_call(np.zeros((1, 1), np.int32), counts, none, self.row_slots, (0,) * 8, -1.0,
+                        self.kernel(pool.kernel([]), stand_in, stand_in))
         self._kernel = (None, None)
         book_rows(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
