@@ -354,3 +354,14 @@ def test_stale_kernels_of_a_module_are_dropped_when_a_file_it_compiles_in_change
     dep.write_text("x = 2\n")
     drop_stale_cache(str(module), ("core/dep.py",))     # changed: dropped
     assert not kernel.exists()
+
+
+def test_the_kernel_constructors_take_their_fields_in_order():
+    """The structrefs' constructors name each field (numba types star-args in Python): in the fields' own order."""
+    import inspect
+
+    from lookup_decode.core import pool as pool_module
+    from lookup_decode.engines.vllm import table_kernels
+    for constructor, fields in [(getattr(pool_module, "_new_kernel"), getattr(pool_module, "_KERNEL_FIELDS")),
+                                (table_kernels.new_table_kernel, table_kernels.TABLE_FIELDS)]:
+        assert tuple(inspect.signature(constructor.py_func).parameters) == tuple(fields)

@@ -136,10 +136,14 @@ typeof_impl.register(_Kernel)(lambda value, context: value._type)
 
 
 @njit(cache=True, nogil=True)
-def _new_kernel(*fields):
+def _new_kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
+                prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, roles,
+                out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit):
     """A `_Kernel` of these fields, in `_KERNEL_FIELDS`' order (compiled and cached here: the proxy's own constructor
-    compiles in every process)."""
-    return _Kernel(*fields)
+    compiles in every process). Each named: numba types a function's star-args in Python (~0.2 ms a call)."""
+    return _Kernel(buffers, meta, cap, counts, request, prev, prev_len, prev_match, prev_src, prev_end, prev_ver,
+                   prev_branched, prev_temp, cursor, cursor_ver, ints, eos, stops, params, corpora, versions, roles,
+                   out_tokens, out_lengths, out_match, out_source, out_p, out_kept, out_credit)
 
 
 @dataclass
@@ -407,12 +411,13 @@ class IndexPool:
     def kernel(self, corpora) -> "_Kernel":
         """What `step_rows` reads besides the call's rows, over these corpora ((SuffixIndex, version) pairs, held
         unchanged while it runs: `Corpus.reading()`; each row reads corpus c as role c unless told otherwise). Kept
-        from call to call while the pool's arrays and the corpora (the same buffers, lengths and versions) are."""
-        key = [(id(index._toks), len(index), version) for index, version in corpora]
+        from call to call while the pool's arrays and the corpora (the same indexes at the same versions: a corpus
+        bumps its version at every change) are."""
+        key = corpora if type(corpora) is list else list(corpora)   # (compared in C: no Python frame per corpus)
         if key != self._corpus_list[0]:         # (building a numba List from Python costs ~0.1 ms)
             tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]
             versions = np.array([version for _, version in corpora] or [-1], np.int64)
-            self._corpus_list, self._kernel = (key, (List(tuples), versions)), None
+            self._corpus_list, self._kernel = (list(key), (List(tuples), versions)), None
         if self._kernel is None:                 # (the others are the pool's attributes of the same names)
             b, (arrays, versions) = self._out, self._corpus_list[1]
             parts = {"ints": self._rules, "corpora": arrays, "versions": versions,

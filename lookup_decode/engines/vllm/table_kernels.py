@@ -1,6 +1,7 @@
 """The compiled loops of `requests.RequestTable`: fingerprints of rows, the steady-state check (and, where it can,
-the pool's step in the same call), and the bookkeeping of what each row was sent. They take the table's arrays as
-arguments; the table (`requests.py`) keeps the state and decides when each runs."""
+the pool's step and the step's end in the same call: `steady_call`), and the bookkeeping of what each row was sent.
+They take the table's arrays as arguments, or one `TableKernel` holding them; the table (`requests.py`) keeps the
+state and decides when each runs."""
 
 import numpy as np
 from numba import njit, types
@@ -110,9 +111,12 @@ typeof_impl.register(TableKernel)(lambda value, context: value._type)    # (as t
 
 
 @njit(cache=True)
-def new_table_kernel(*fields):
-    """A `TableKernel` of these fields, in `TABLE_FIELDS`' order (compiled once and cached, as the pool's)."""
-    return TableKernel(*fields)
+def new_table_kernel(limit, end, sent, last_seen, temperature, eos, out, learn, temps, lengths, p_sent, learned,
+                     p_learned, cost, cost_params, calibration, no_flags, pool):
+    """A `TableKernel` of these fields, in `TABLE_FIELDS`' order (compiled once and cached, as the pool's; each
+    named, as the pool's)."""
+    return TableKernel(limit, end, sent, last_seen, temperature, eos, out, learn, temps, lengths, p_sent, learned,
+                       p_learned, cost, cost_params, calibration, no_flags, pool)
 
 
 @njit(cache=True, nogil=True)
