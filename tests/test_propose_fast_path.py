@@ -28,12 +28,13 @@ def _state(drafter) -> dict:
             "pool": (pool.bytes, pool.copied, pool.swaps)}
 
 
-def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None, **drafter_kw):
+def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None, budget=None, **drafter_kw):
     """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path,
     calls, those of the steady calls whose pool step ran in the steady state's own compiled call).
-    migrate_from: the smallest index room that grows by a copy built across calls (`IndexPool`; None: its own)."""
+    migrate_from: the smallest index room that grows by a copy built across calls (`IndexPool`; None: its own);
+    budget: the engine's tokens per step (chunked prefill), as vLLM's config gives it."""
     drafter = lv.LookupDrafter.from_settings(settings, k, eos_token_ids=EOS, **drafter_kw)
-    drafter.steady_path = steady
+    drafter.steady_path, drafter.budget = steady, budget
     if migrate_from is not None:
         drafter.pool.migrate_from = migrate_from
     taken = [0]
@@ -95,6 +96,19 @@ def test_steady_path_gives_the_general_paths_drafts(name):
     assert fused > 0 and (name not in ("alone", "sampled") or fused > taken // 2)   # stepped in one compiled call
                                                                # (most, where no request is held outside the batch)
     assert sum(len(d) for ds, _ in drafts for d in ds) > 100 and state["stats"]["accepted"] > 50   # and drafted
+    assert drafts == drafts_general
+    assert state == state_general
+
+
+def test_steady_path_with_the_engines_token_budget():
+    """Chunked prefill under a token budget: the steady call observes the step with the prefill clamped to the budget
+    (in compiled code) as the general path does (in Python)."""
+    requests_of, settings, runner_kw = SCENARIOS["moving"]
+    drafts, state, taken, _, fused = _run(True, requests_of, settings, runner_kw, budget=40)
+    drafts_general, state_general, _, _, _ = _run(False, requests_of, settings, runner_kw, budget=40)
+    unbounded = _run(True, requests_of, settings, runner_kw)[1]
+    assert taken > 0 and fused > 0 and state["stats"]["accepted"] > 50
+    assert state["cost"] != unbounded["cost"]                  # guard: the budget clamped some steps' prefill
     assert drafts == drafts_general
     assert state == state_general
 
