@@ -23,18 +23,23 @@ def _state(drafter) -> dict:
         {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in asdict(e).items()}
         for e in drafter.memory.entries()]
     pool = drafter.pool
-    return {"stats": stats, "calibration": drafter.stats.reliability.table.tolist(), "cost": list(drafter.cost.sums),
+    return {"stats": stats, "calibration": drafter.stats.reliability.table.tolist(),
+            "cost": drafter.cost.state.tolist(), "buckets": drafter.cost.bucket.tolist(),
             "requests": {rid: asdict(r) for rid, r in drafter.stats.requests.items()}, "memory": entries,
             "pool": (pool.bytes, pool.copied, pool.swaps)}
 
 
-def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None, budget=None, **drafter_kw):
+def _run(steady: bool, requests_of, settings, runner_kw, k=8, migrate_from=None, budget=None, sizes=None,
+         **drafter_kw):
     """(each request's drafts and emitted tokens per step, the drafter's state, calls taken by the steady path,
     calls, those of the steady calls whose pool step ran in the steady state's own compiled call).
     migrate_from: the smallest index room that grows by a copy built across calls (`IndexPool`; None: its own);
-    budget: the engine's tokens per step (chunked prefill), as vLLM's config gives it."""
+    budget: the engine's tokens per step (chunked prefill), as vLLM's config gives it; sizes: CUDA graph sizes, as
+    the adapter hands them over."""
     drafter = lv.LookupDrafter.from_settings(settings, k, eos_token_ids=EOS, **drafter_kw)
     drafter.steady_path, drafter.budget = steady, budget
+    if sizes is not None:
+        drafter.cost.use_capture_sizes(sizes)
     if migrate_from is not None:
         drafter.pool.migrate_from = migrate_from
     taken = [0]
@@ -109,6 +114,20 @@ def test_steady_path_with_the_engines_token_budget():
     unbounded = _run(True, requests_of, settings, runner_kw)[1]
     assert taken > 0 and fused > 0 and state["stats"]["accepted"] > 50
     assert state["cost"] != unbounded["cost"]                  # guard: the budget clamped some steps' prefill
+    assert drafts == drafts_general
+    assert state == state_general
+
+
+def test_steady_path_with_graph_sizes():
+    """With CUDA graph sizes (a step padded to the next one; each size's own mean), the steady call observes the step
+    and chooses the lengths on the sizes' curve as `StepCost` does in Python."""
+    requests_of, settings, runner_kw = SCENARIOS["moving"]
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    drafts, state, taken, _, fused = _run(True, requests_of, settings, runner_kw, sizes=sizes)
+    drafts_general, state_general, _, _, _ = _run(False, requests_of, settings, runner_kw, sizes=sizes)
+    line = _run(True, requests_of, settings, runner_kw)
+    assert taken > 0 and fused > 0 and state["stats"]["accepted"] > 50
+    assert state["cost"] != line[1]["cost"] and drafts != line[0]   # guard: the sizes moved the fit and the choice
     assert drafts == drafts_general
     assert state == state_general
 

@@ -41,7 +41,9 @@ _AT = np.zeros((5, 5), np.int64)                  # _AT[i, j]: where the sum of 
 for _n, (_i, _j) in enumerate(_PAIRS):
     _AT[_i, _j] = _AT[_j, _i] = _n
 _PAIR_I, _PAIR_J = (np.array(side, np.int64) for side in zip(*_PAIRS))
-OBSERVED, TYPICAL = len(_PAIRS), len(_PAIRS) + 1   # after the sums in StepCost.state
+# After the sums in StepCost.state: the steps observed, a typical |seconds - modelled seconds| (observe's weights),
+# and the graph sizes' scale (forget ** steps: their sums are stored divided by it).
+OBSERVED, TYPICAL, SCALE = len(_PAIRS), len(_PAIRS) + 1, len(_PAIRS) + 2
 
 
 def device_token_cost(kind: str) -> float:
@@ -134,9 +136,29 @@ def _terms(state, prior, prior_weight):
 
 
 @njit(cache=True, nogil=True)
-def observe_line(state, u, p, d, y, forget, prior, prior_weight):
-    """The line's part of `StepCost.observe` (and of the vLLM drafter's steady call): one step of u (padded) tokens,
-    p prefill tokens, drafted d, y seconds."""
+def observe_step(state, bucket, sizes, n, p, d, y, forget, prior, prior_weight):
+    """`StepCost.observe` (and the vLLM drafter's steady call's): one step of n tokens in all, p of them prefill,
+    drafted d, y seconds; bucket, sizes: the graph sizes' sums and sizes (none: the line alone)."""
+    b = np.searchsorted(sizes, n) if sizes.shape[0] else 0
+    u = sizes[b] if b < sizes.shape[0] else float(n)      # padded to its graph size (past the largest: eager)
+    _observe_line(state, u, p, d, y, forget, prior, prior_weight)
+    # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is learned.
+    if sizes.shape[0]:
+        state[SCALE] *= forget                  # every step forgets every graph size's mean
+        if state[SCALE] < 1e-100:               # renormalize before the stored sums overflow
+            bucket *= state[SCALE]
+            state[SCALE] = 1.0
+        if b < sizes.shape[0]:
+            scale = state[SCALE]
+            bucket[0, b] += 1.0 / scale
+            bucket[1, b] += y / scale
+            bucket[2, b] += p / scale
+            bucket[3, b] += d / scale
+
+
+@njit(cache=True, nogil=True)
+def _observe_line(state, u, p, d, y, forget, prior, prior_weight):
+    """The line's part of `observe_step`: one step of u (padded) tokens."""
     # A step the engine stalled in (another process, a collection, a reallocation) says nothing about tokens:
     # in the line's fit, residuals beyond ROBUST typical ones weigh less (Huber), the typical size learned from
     # clipped residuals.
@@ -210,7 +232,7 @@ def choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost
 
 
 @njit(cache=True, nogil=True)
-def _choose_sizes(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, p_kept, available, n0, prefill,
+def choose_sizes(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, p_kept, available, n0, prefill,
                   table, cost, out):
     """`StepCost.choose` with graph sizes: the sizes' table, the padded curve and the best prefix in one call (a
     CUDA engine's drafter calls it every step)."""
@@ -267,14 +289,14 @@ class StepCost:
         # Weighted sums of the products of (1, u, p, d, y) in _PAIRS (u: padded tokens, p: prefill tokens,
         # d: drafted 0/1, y: seconds), then the steps observed and a typical |seconds - modelled seconds| (observe's
         # weights).
-        self.state = np.zeros(len(_PAIRS) + 2)
+        self.state = np.zeros(len(_PAIRS) + 3)
+        self.state[SCALE] = 1.0
         self._cost = np.zeros(64)                   # choose's curve, reused
         self.sizes = _check_sizes(capture_sizes) if capture_sizes else ()
-        # Per graph size: weight, seconds, prefill tokens and drafted steps, stored divided by `_scale`
+        # Per graph size: weight, seconds, prefill tokens and drafted steps, stored divided by the state's SCALE
         # (= forget ** steps) so that forgetting all of them is one multiplication.
-        self._bucket = np.zeros((4, len(self.sizes)))
-        self._scale = 1.0
-        self._sizes = np.asarray(self.sizes, np.float64)
+        self.bucket = np.zeros((4, len(self.sizes)))
+        self.graph_sizes = np.asarray(self.sizes, np.float64)
         self._table = np.empty(len(self.sizes))    # choose's table of the graph sizes, reused
         self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
 
@@ -302,23 +324,8 @@ class StepCost:
         any of its tokens was a draft's."""
         if tokens < 0 or prefill_tokens < 0 or tokens + prefill_tokens <= 0 or not seconds > 0:
             return
-        n = tokens + prefill_tokens
-        u, p, y, f = float(self.padded(n)), float(prefill_tokens), float(seconds), self.forget
-        d = 1.0 if drafted else 0.0
-        observe_line(self.state, u, p, d, y, f, self.prior, self.prior_weight)
-        # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is
-        # learned.
-        if self.sizes:
-            self._scale *= f                        # every step forgets every graph size's mean
-            if self._scale < 1e-100:                # renormalize before the stored sums overflow
-                self._bucket *= self._scale
-                self._scale = 1.0
-            if n <= self.sizes[-1]:
-                b = bisect.bisect_left(self.sizes, n)
-                self._bucket[0, b] += 1.0 / self._scale
-                self._bucket[1, b] += y / self._scale
-                self._bucket[2, b] += p / self._scale
-                self._bucket[3, b] += d / self._scale
+        observe_step(self.state, self.bucket, self.graph_sizes, tokens + prefill_tokens, float(prefill_tokens),
+                     1.0 if drafted else 0.0, float(seconds), self.forget, self.prior, self.prior_weight)
 
     @property
     def sums(self) -> np.ndarray:
@@ -338,8 +345,8 @@ class StepCost:
         table = None
         if self.sizes:
             table = np.empty(len(self.sizes))
-            _size_table(self.state, self.prior, self.prior_weight, self._bucket, self._scale, self.bucket_weight,
-                        self._sizes, table)
+            _size_table(self.state, self.prior, self.prior_weight, self.bucket, self.state[SCALE], self.bucket_weight,
+                        self.graph_sizes, table)
         self._cache = (self.observed, (c, terms, table))
         return self._cache[1]
 
@@ -363,7 +370,7 @@ class StepCost:
         if table is None:
             _line(1.0 + c * n0, c, jump, curve)
         else:
-            _size_curve(table, self._sizes, c, jump, n0, curve)
+            _size_curve(table, self.graph_sizes, c, jump, n0, curve)
         return curve
 
     def seconds(self, tokens: int, prefill_tokens: int = 0, drafted: bool = False) -> float | None:
@@ -401,6 +408,6 @@ class StepCost:
             choose_line(self.state, self.prior, self.prior_weight, p_kept, available, n0, prefill,
                          self._cost[:r * k + 1], out)
         else:
-            _choose_sizes(self.state, self.prior, self.prior_weight, self._bucket, self._scale, self.bucket_weight,
-                          self._sizes, p_kept, available, n0, prefill, self._table, self._cost[:r * k + 1], out)
+            choose_sizes(self.state, self.prior, self.prior_weight, self.bucket, self.state[SCALE], self.bucket_weight,
+                          self.graph_sizes, p_kept, available, n0, prefill, self._table, self._cost[:r * k + 1], out)
         return out

@@ -23,11 +23,11 @@ A failure never stops the engine: a call that raises is logged once, drafts noth
 Most calls bring no new request: by id, every row that emitted tokens holds a known request, continued by them.
 Such a call (`_steady`) skips most of step 1 and the general path's bookkeeping: one compiled call
 (`RequestTable.steady`) checks that, gives the arrays of step 4 and, where nothing before the step needs Python (no
-row ended, no index growing, the rows reading only the shared corpora), runs step 4 itself, and on a straight-line
-step cost (no graph sizes) the step's time, step 5 and the booking too. A call after a model's forward finds its
-objects out of the caches, so it is the count of numpy calls, Python frames and objects handed to compiled code a
-call touches, more than their work, that sets its time (measured with 64 MB streamed through the caches before each:
-~10 us a numpy call, ~6 us a call into compiled code and ~8 more for each object numba types in Python).
+row ended, no index growing, the rows reading only the shared corpora), runs step 4 itself, and then the step's
+time, step 5 and the booking too. A call after a model's forward finds its objects out of the caches, so it is the
+count of numpy calls, Python frames and objects handed to compiled code a call touches, more than their work, that
+sets its time (measured with 64 MB streamed through the caches before each: ~10 us a numpy call, ~6 us a call into
+compiled code and ~8 more for each object numba types in Python).
 """
 
 from __future__ import annotations
@@ -182,9 +182,8 @@ class BatchDrafter:
             if fused:
                 pool.outputs(len(counts))
                 kernel = pool.kernel(held)
-            # On a straight-line step cost (no graph sizes), that call also observes the last step, chooses the
-            # lengths and books them.
-            finish = 0 if self.cost.sizes else 2 if self.settings.adaptive else 1
+            # That call also observes the last step, chooses the lengths (adaptive) and books them.
+            finish = 2 if self.settings.adaptive else 1
             got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
                                max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
                                check_end=self.memory is not None, kernel=kernel, cost=self.cost,

@@ -152,7 +152,8 @@ class RequestTable:
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         self._kernel: tuple = (None, None)     # (TableKernel, the pool kernel, cost sums and calibration it holds)
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
-        stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, table=np.zeros((1, 1)))
+        stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, bucket_weight=0.0,
+                                   bucket=np.zeros((4, 0)), graph_sizes=np.zeros(0), table=np.zeros((1, 1)))
         for counts in (none, none.astype(np.int32)):  # (vLLM's counts are int32; tests' and the general path's int64)
             self._steady_kernel(np.zeros((1, 1), np.int32), counts, none, (0, 0, 0, 0, 0))
             steady_call(np.zeros((1, 1), np.int32), counts, none, self.row_slots, (0,) * 8, -1.0,
@@ -278,8 +279,8 @@ class RequestTable:
         that reached their end, counted if check_end; stepped, learned, total, drafted), the rows' slots marked
         seen at `call`; None: not the steady state (no slot changed). kernel: the pool's `kernel`, its outputs sized
         for every row of the call: the pool steps the rows in the same compiled call where it can (`steady_call`;
-        stepped: it did, into its outputs) and (finish 1, 2), with the step cost on its line (`StepCost`, the
-        seconds since the last call, the engine's token budget, -1 none), observes the last step, takes the drafts'
+        stepped: it did, into its outputs) and (finish 1, 2), with the step cost (`StepCost`, the seconds since the
+        last call, the engine's token budget, -1 none), observes the last step, takes the drafts'
         lengths (1) or chooses them (2) and books them (`book` into `calibration`: its learned, total, drafted;
         the lengths in `lengths`)."""
         n = len(counts)
@@ -313,9 +314,10 @@ class RequestTable:
         tk, held = self._kernel
         if tk is None or held[0] is not pool_kernel or held[1] is not state or held[2] is not table:
             out, learn, temps, lengths = self._steady_out
-            params = np.array([cost.prior, cost.prior_weight, cost.forget])
+            params = np.array([cost.prior, cost.prior_weight, cost.forget, cost.bucket_weight])
             parts = {"out": out, "learn": learn, "temps": temps, "lengths": lengths, "p_learned": self._p_learned,
-                     "cost": state, "cost_params": params, "calibration": table, "no_flags": NO_FLAGS,
+                     "cost": state, "cost_params": params, "bucket": cost.bucket, "sizes": cost.graph_sizes,
+                     "calibration": table, "no_flags": NO_FLAGS,
                      "pool": pool_kernel}
             tk = new_table_kernel(*(parts[f] if f in parts else getattr(self, f) for f in TABLE_FIELDS))
             self._kernel = tk, (pool_kernel, state, table)

@@ -11,7 +11,7 @@ from numba.extending import typeof_impl
 from lookup_decode.core.automaton import N_TOKENS
 from lookup_decode.core.pool import FIRST_CAP, drop_stale_cache, room_action, step_rows
 from lookup_decode.core.stats import calibrate
-from lookup_decode.core.step_cost import choose_line, observe_line
+from lookup_decode.core.step_cost import SCALE, choose_line, choose_sizes, observe_step
 
 # `steady_call` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
 # running the old step after an edit of those.
@@ -105,18 +105,18 @@ class TableKernel(structref.StructRefProxy):
 
 
 TABLE_FIELDS = ("limit", "end", "sent", "last_seen", "temperature", "eos", "out", "learn", "temps", "lengths", "p_sent",
-                "learned", "p_learned", "cost", "cost_params", "calibration", "no_flags", "pool")
+                "learned", "p_learned", "cost", "cost_params", "bucket", "sizes", "calibration", "no_flags", "pool")
 structref.define_proxy(TableKernel, _TableKernelType, list(TABLE_FIELDS))
 typeof_impl.register(TableKernel)(lambda value, context: value._type)    # (as the pool's kernel: core/pool.py)
 
 
 @njit(cache=True)
 def new_table_kernel(limit, end, sent, last_seen, temperature, eos, out, learn, temps, lengths, p_sent, learned,
-                     p_learned, cost, cost_params, calibration, no_flags, pool):
+                     p_learned, cost, cost_params, bucket, sizes, calibration, no_flags, pool):
     """A `TableKernel` of these fields, in `TABLE_FIELDS`' order (compiled once and cached, as the pool's; each
     named, as the pool's)."""
     return TableKernel(limit, end, sent, last_seen, temperature, eos, out, learn, temps, lengths, p_sent, learned,
-                       p_learned, cost, cost_params, calibration, no_flags, pool)
+                       p_learned, cost, cost_params, bucket, sizes, calibration, no_flags, pool)
 
 
 @njit(cache=True, nogil=True)
@@ -124,7 +124,7 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
     """`steady_rows` and, where nothing between the parts needs Python, the rest of the call in the same compiled
     call (each crossing into compiled code costs ~6 us after a model's forward, and ~8 more for each object numba
     types in Python): the pool's step over the rows (`step_rows`), then the last step's time into the step cost
-    (`StepCost.observe` on its line), this step's lengths (`StepCost.choose` on its line) and their booking
+    (`StepCost.observe`), this step's lengths (`StepCost.choose`) and their booking
     (`book_rows`, the calibration). It steps where no row ended (its output is stored first), no slot grows, the
     engine holds no request beyond these rows and every row's new tokens fit a first room (the caller checked the
     byte bound for that). rules: (k, max_len, check_end, call, migrate_from, known requests, finish: 0 the step
@@ -144,18 +144,22 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
                   st.roles[:r], st)
     if stepped and finish:
         p_kept, lengths = st.out_p[:r], t.lengths[:r]
-        prior, weight, forget = t.cost_params[0], t.cost_params[1], t.cost_params[2]
+        prior, weight, forget, bucket_weight = t.cost_params[0], t.cost_params[1], t.cost_params[2], t.cost_params[3]
         if continued == 0 and seconds > 0:      # the step since the last call, none of whose rows missed steps
             if budget >= 0:                     # chunked: a step's chunks fill at most the budget
                 prefill = max(0, min(prefill, budget - verified))
-            observe_line(t.cost, float(verified + prefill), float(prefill), 1.0 if verified > r else 0.0, seconds,
-                         forget, prior, weight)
+            observe_step(t.cost, t.bucket, t.sizes, verified + prefill, float(prefill), 1.0 if verified > r else 0.0,
+                         seconds, forget, prior, weight)
         if finish == 1:
             lengths[:] = st.out_lengths[:r]
         else:
             lengths[:] = 0
-            choose_line(t.cost, prior, weight, p_kept, st.out_lengths[:r], r, 0, np.empty(r * p_kept.shape[1] + 1),
-                        lengths)
+            curve = np.empty(r * p_kept.shape[1] + 1)
+            if t.sizes.shape[0]:
+                choose_sizes(t.cost, prior, weight, t.bucket, t.cost[SCALE], bucket_weight, t.sizes, p_kept,
+                             st.out_lengths[:r], r, 0, np.empty(t.sizes.shape[0]), curve, lengths)
+            else:
+                choose_line(t.cost, prior, weight, p_kept, st.out_lengths[:r], r, 0, curve, lengths)
         learned, total, drafted = book_rows(t.out[1, :r], lengths, st.out_kept[:r], st.out_credit[:r], p_kept, t.sent,
                                             t.p_sent, t.learned, t.p_learned)
         if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
