@@ -112,12 +112,7 @@ class BatchDrafter:
         with self.keeper.lock:
             start, t = self.clock(), time.perf_counter()
             try:
-                self._call += 1
-                self.stats.steps += 1
-                out = None
-                if engine is not None and self.steady_path:
-                    out = self._steady(matrix, counts, emitted, engine, start)
-                return out if out is not None else self._draft(matrix, counts, emitted, engine, start)
+                return self._draft(matrix, counts, emitted, engine, start)
             except Exception:                       # noqa: BLE001  (a drafter failure must never stop the engine)
                 self.stats.errors += 1
                 if not self._logged:
@@ -131,7 +126,12 @@ class BatchDrafter:
                 self.keeper.called()
 
     def _draft(self, matrix, counts, emitted, engine: EngineRequests | None, now: float) -> Drafts:
-        """The general path: any call."""
+        self._call += 1
+        self.stats.steps += 1
+        if engine is not None and self.steady_path:
+            out = self._steady(matrix, counts, emitted, engine, now)
+            if out is not None:
+                return out
         self.requests.row_ids = None                # slots may change: the next call finds its rows' slots by id
         counts, emitted = np.asarray(counts, np.int64), np.asarray(emitted, np.int64)    # (vLLM's counts: int32)
         rows = np.flatnonzero(emitted > 0)
