@@ -233,7 +233,7 @@ def choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost
 
 @njit(cache=True, nogil=True)
 def choose_sizes(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, p_kept, available, n0, prefill,
-                  table, cost, out):
+                 table, cost, out):
     """`StepCost.choose` with graph sizes: the sizes' table, the padded curve and the best prefix in one call (a
     CUDA engine's drafter calls it every step)."""
     c, fixed, extra, jump = _size_table(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, table)
@@ -287,8 +287,8 @@ class StepCost:
         """Start over with these graph sizes (None: no graphs). vLLM settles its sizes only when it captures the
         graphs, after the drafter is built, so the drafter hands them over at its first step."""
         # Weighted sums of the products of (1, u, p, d, y) in _PAIRS (u: padded tokens, p: prefill tokens,
-        # d: drafted 0/1, y: seconds), then the steps observed and a typical |seconds - modelled seconds| (observe's
-        # weights).
+        # d: drafted 0/1, y: seconds), then the steps observed, a typical |seconds - modelled seconds| (observe's
+        # weights) and the graph sizes' scale.
         self.state = np.zeros(len(_PAIRS) + 3)
         self.state[SCALE] = 1.0
         self._cost = np.zeros(64)                   # choose's curve, reused
