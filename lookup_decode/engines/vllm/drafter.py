@@ -172,7 +172,7 @@ class LookupDrafter(BatchDrafter):
                 self._matrix = matrix
         # After a model's forward a numpy call costs ~10 us: vLLM's int32 counts are taken as they are (the steady
         # call is compiled for them), and one row's emitted count is a prebuilt array.
-        counts = num_tokens_no_spec if isinstance(num_tokens_no_spec, np.ndarray) else _numpy(num_tokens_no_spec)
+        counts = _numpy(num_tokens_no_spec)
         if counts.dtype != np.int32:
             counts = counts.astype(np.int64, copy=False)
         counts = counts[:B]

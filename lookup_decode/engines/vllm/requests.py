@@ -150,7 +150,7 @@ class RequestTable:
         self.row_slots = np.zeros(0, np.int64)
         self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
-        self._kernel: tuple = (None, None)     # (TableKernel, the pool kernel, cost sums and calibration it holds)
+        self._kernel: tuple = (None, None)     # (TableKernel, (the pool kernel, cost state, calibration it holds))
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, bucket_weight=0.0,
                                    bucket=np.zeros((4, 0)), graph_sizes=np.zeros(0), table=np.zeros((1, 1)))
@@ -270,7 +270,7 @@ class RequestTable:
         return claim
 
     def steady(self, matrix, counts, emitted, ids: list, call: int, *, k: int, max_len: int, check_end: bool,
-               kernel=None, cost=None, calibration=None, finish: int = 0, seconds: float = -1.0,
+               kernel=None, cost=None, calibration=None, adaptive: bool = True, seconds: float = -1.0,
                budget: int = -1):
         """The step's arrays for a call in the steady state: every row that emitted tokens (ids: the rows' request
         ids, as vLLM's runner gives them) holds a known request, its slot's text continued by them (or by a few
@@ -279,10 +279,9 @@ class RequestTable:
         that reached their end, counted if check_end; stepped, learned, total, drafted), the rows' slots marked
         seen at `call`; None: not the steady state (no slot changed). kernel: the pool's `kernel`, its outputs sized
         for every row of the call: the pool steps the rows in the same compiled call where it can (`steady_call`;
-        stepped: it did, into its outputs) and (finish 1, 2), with the step cost (`StepCost`, the seconds since the
-        last call, the engine's token budget, -1 none), observes the last step, takes the drafts'
-        lengths (1) or chooses them (2) and books them (`book` into `calibration`: its learned, total, drafted;
-        the lengths in `lengths`)."""
+        stepped: it did, into its outputs), then with the step cost (`StepCost`, the seconds since the last call, the
+        engine's token budget, -1 none) observes the last step, chooses the lengths (`adaptive`; else the drafts'
+        own) and books them (`book` into `calibration`: its learned, total, drafted; the lengths in `lengths`)."""
         n = len(counts)
         if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
             self.row_ids = ids[:n]
@@ -297,7 +296,7 @@ class RequestTable:
             sums += [False, 0, 0, 0]
         else:
             r, *sums = steady_call(matrix, counts, emitted, self.row_slots,
-                                   (*rules, len(self.id_of), finish, budget), seconds,
+                                   (*rules, len(self.id_of), int(adaptive), budget), seconds,
                                    self.kernel(kernel, cost, calibration))
         if r < 0:
             return None
@@ -317,8 +316,7 @@ class RequestTable:
             params = np.array([cost.prior, cost.prior_weight, cost.forget, cost.bucket_weight])
             parts = {"out": out, "learn": learn, "temps": temps, "lengths": lengths, "p_learned": self._p_learned,
                      "cost": state, "cost_params": params, "bucket": cost.bucket, "sizes": cost.graph_sizes,
-                     "calibration": table, "no_flags": NO_FLAGS,
-                     "pool": pool_kernel}
+                     "calibration": table, "no_flags": NO_FLAGS, "pool": pool_kernel}
             tk = new_table_kernel(*(parts[f] if f in parts else getattr(self, f) for f in TABLE_FIELDS))
             self._kernel = tk, (pool_kernel, state, table)
         return tk

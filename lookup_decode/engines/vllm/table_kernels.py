@@ -11,7 +11,7 @@ from numba.extending import typeof_impl
 from lookup_decode.core.automaton import N_TOKENS
 from lookup_decode.core.pool import FIRST_CAP, drop_stale_cache, room_action, step_rows
 from lookup_decode.core.stats import calibrate
-from lookup_decode.core.step_cost import SCALE, choose_line, choose_sizes, observe_step
+from lookup_decode.core.step_cost import choose_step, observe_step
 
 # `steady_call` compiles in the pool's step and what that compiles in: numba's cache of this file alone would keep
 # running the old step after an edit of those.
@@ -127,11 +127,11 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
     (`StepCost.observe`), this step's lengths (`StepCost.choose`) and their booking
     (`book_rows`, the calibration). It steps where no row ended (its output is stored first), no slot grows, the
     engine holds no request beyond these rows and every row's new tokens fit a first room (the caller checked the
-    byte bound for that). rules: (k, max_len, check_end, call, migrate_from, known requests, finish: 0 the step
-    only, 1 its lengths as drafted, 2 chosen; the engine's token budget, -1 none); seconds: since the last call
-    (<= 0: not observed); t: the table's `TableKernel` (t.pool: the pool's `kernel`). Returns `steady_rows`'s,
-    whether it stepped, and `book_rows`'s (0s unless finished; the lengths in t.lengths)."""
-    k, max_len, check_end, call, migrate_from, known, finish, budget = rules
+    byte bound for that). rules: (k, max_len, check_end, call, migrate_from, known requests, adaptive: 1 the lengths
+    chosen, 0 as drafted; the engine's token budget, -1 none); seconds: since the last call (<= 0: not observed);
+    t: the table's `TableKernel` (t.pool: the pool's `kernel`). Returns `steady_rows`'s, whether it stepped, and
+    `book_rows`'s (0s unless it stepped; the lengths in t.lengths)."""
+    k, max_len, check_end, call, migrate_from, known, adaptive, budget = rules
     st = t.pool
     r, verified, prefill, continued, most, near, ended = steady_rows(
         matrix, counts, emitted, row_slots, st.meta, st.cap, t.temperature, (t.limit, t.end, t.sent, t.last_seen),
@@ -142,7 +142,6 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
         out = t.out
         step_rows(matrix, out[0, :r], out[1, :r], out[2, :r], out[3, :r], out[4, :r], t.learn[:r], t.temps[:r],
                   st.roles[:r], st)
-    if stepped and finish:
         p_kept, lengths = st.out_p[:r], t.lengths[:r]
         prior, weight, forget, bucket_weight = t.cost_params[0], t.cost_params[1], t.cost_params[2], t.cost_params[3]
         if continued == 0 and seconds > 0:      # the step since the last call, none of whose rows missed steps
@@ -150,16 +149,12 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
                 prefill = max(0, min(prefill, budget - verified))
             observe_step(t.cost, t.bucket, t.sizes, verified + prefill, float(prefill), 1.0 if verified > r else 0.0,
                          seconds, forget, prior, weight)
-        if finish == 1:
-            lengths[:] = st.out_lengths[:r]
-        else:
+        if adaptive:
             lengths[:] = 0
-            curve = np.empty(r * p_kept.shape[1] + 1)
-            if t.sizes.shape[0]:
-                choose_sizes(t.cost, prior, weight, t.bucket, t.cost[SCALE], bucket_weight, t.sizes, p_kept,
-                             st.out_lengths[:r], r, 0, np.empty(t.sizes.shape[0]), curve, lengths)
-            else:
-                choose_line(t.cost, prior, weight, p_kept, st.out_lengths[:r], r, 0, curve, lengths)
+            choose_step(t.cost, prior, weight, t.bucket, bucket_weight, t.sizes, p_kept, st.out_lengths[:r], r, 0,
+                        np.empty(r * p_kept.shape[1] + 1), lengths)
+        else:
+            lengths[:] = st.out_lengths[:r]
         learned, total, drafted = book_rows(t.out[1, :r], lengths, st.out_kept[:r], st.out_credit[:r], p_kept, t.sent,
                                             t.p_sent, t.learned, t.p_learned)
         if learned:                             # of the tokens sent last call, priced at p_sent: the prefix kept
