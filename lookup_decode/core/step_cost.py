@@ -142,9 +142,16 @@ def graph_size(sizes, n):
 
 
 @njit(cache=True, nogil=True)
-def observe_step(state, bucket, sizes, n, p, d, y, forget, prior, prior_weight):
-    """`StepCost.observe` (and the vLLM drafter's steady call's): one step of n tokens in all, p of them prefill,
-    drafted d, y seconds; bucket, sizes: the graph sizes' sums and sizes (none: the line alone)."""
+def observe_step(state, bucket, sizes, verified, prefill, drafted, y, budget, forget, prior, prior_weight):
+    """`StepCost.observe` (and the vLLM drafter's steady call's): one step that verified `verified` tokens beside
+    `prefill` prompt tokens, drafted 1.0 or 0.0, y seconds; budget: the engine's tokens per step (chunked prefill:
+    a step's chunks fill at most what its verified tokens leave), -1 none; bucket, sizes: the graph sizes' sums and
+    sizes (none: the line alone)."""
+    if budget >= 0:
+        prefill = max(0, min(prefill, budget - verified))
+    if verified < 0 or prefill < 0 or verified + prefill <= 0 or not y > 0:
+        return
+    n, p, d = verified + prefill, float(prefill), drafted
     b, u = graph_size(sizes, n)
     _observe_line(state, u, p, d, y, forget, prior, prior_weight)
     # A graph size's own mean takes every step at full weight: that is where a bend the line cannot follow is learned.
@@ -332,13 +339,13 @@ class StepCost:
         """The tokens a step of n tokens runs as: the smallest graph size >= n, n past the largest (eager)."""
         return int(graph_size(self.graph_sizes, n)[1])
 
-    def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0, drafted: bool = False) -> None:
+    def observe(self, tokens: int, seconds: float, prefill_tokens: int = 0, drafted: bool = False,
+                budget: int | None = None) -> None:
         """One step: the tokens it verified, the seconds it took, the prompt tokens it prefilled alongside, whether
-        any of its tokens was a draft's."""
-        if tokens < 0 or prefill_tokens < 0 or tokens + prefill_tokens <= 0 or not seconds > 0:
-            return
-        observe_step(self.state, self.bucket, self.graph_sizes, tokens + prefill_tokens, float(prefill_tokens),
-                     1.0 if drafted else 0.0, float(seconds), self.forget, self.prior, self.prior_weight)
+        any of its tokens was a draft's; budget: the engine's tokens per step (chunked prefill), None none."""
+        observe_step(self.state, self.bucket, self.graph_sizes, int(tokens), int(prefill_tokens),
+                     1.0 if drafted else 0.0, float(seconds), -1 if budget is None else int(budget), self.forget,
+                     self.prior, self.prior_weight)
 
     @property
     def sums(self) -> np.ndarray:

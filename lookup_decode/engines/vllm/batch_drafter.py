@@ -216,9 +216,8 @@ class BatchDrafter:
     def _observe(self, verified: int, prefill: int, rows: int, now: float) -> None:
         """The step since the last call, none of whose rows missed steps: its time is its cost (`StepCost`)."""
         if self._last is not None:
-            if self.budget is not None:             # chunked: a step's chunks fill at most the budget
-                prefill = max(0, min(prefill, int(self.budget) - verified))
-            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > rows)
+            self.cost.observe(verified, now - self._last, prefill_tokens=prefill, drafted=verified > rows,
+                              budget=self.budget)
 
     def _retire_gone(self, engine: EngineRequests | None, rows: int) -> None:
         """Requests the engine no longer holds have finished (none has while every known one has one of the rows)."""

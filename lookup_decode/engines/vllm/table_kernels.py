@@ -144,11 +144,9 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
                   st.roles[:r], st)
         p_kept, lengths = st.out_p[:r], t.lengths[:r]
         prior, weight, forget, bucket_weight = t.cost_params[0], t.cost_params[1], t.cost_params[2], t.cost_params[3]
-        if continued == 0 and seconds > 0:      # the step since the last call, none of whose rows missed steps
-            if budget >= 0:                     # chunked: a step's chunks fill at most the budget
-                prefill = max(0, min(prefill, budget - verified))
-            observe_step(t.cost, t.bucket, t.sizes, verified + prefill, float(prefill), 1.0 if verified > r else 0.0,
-                         seconds, forget, prior, weight)
+        if continued == 0:                      # the step since the last call, none of whose rows missed steps
+            observe_step(t.cost, t.bucket, t.sizes, verified, prefill, 1.0 if verified > r else 0.0, seconds, budget,
+                         forget, prior, weight)
         if adaptive:
             lengths[:] = 0
             choose_step(t.cost, prior, weight, t.bucket, bucket_weight, t.sizes, p_kept, st.out_lengths[:r], r, 0,
