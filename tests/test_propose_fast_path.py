@@ -132,6 +132,49 @@ def test_steady_path_with_graph_sizes():
     assert state == state_general
 
 
+def test_steady_call_skips_numbas_dispatch_while_its_arrays_are_the_same(monkeypatch):
+    """`RequestTable.steady` calls steady_call's compiled entry itself (numba's dispatch types every argument at every
+    call) while the caller's arrays are the objects it found the entry for: the same drafts and state as through the
+    dispatch, most fused calls served by the entry. Counts that turn int64 midway, the matrix and emitted counts
+    still the same objects, go back through the dispatch, which finds their entry (the int32 one would misread them)."""
+    from numba import typeof
+
+    from lookup_decode.engines.vllm import requests as rq
+    served, real = {"entry": 0, "found": 0}, rq.entry_of
+
+    def counting(dispatcher, args):
+        served["found"] += 1
+        entry, found_for = real(dispatcher, args), [typeof(a) for a in args]
+
+        def run(*a):
+            served["entry"] += 1
+            assert [typeof(x) for x in a] == found_for, "an entry called with arguments of other types"
+            return entry(*a)
+        return run
+
+    draft = BatchDrafter.draft
+
+    def int64_midway(self, matrix, counts, emitted, engine=None):
+        self.seen = getattr(self, "seen", 0) + 1
+        if self.seen > 20:                                      # (one int64 array from then on)
+            if len(getattr(self, "wide", ())) != len(counts):
+                self.wide = np.empty(len(counts), np.int64)
+            self.wide[:] = counts
+            counts = self.wide
+        return draft(self, matrix, counts, emitted, engine)
+
+    monkeypatch.setattr(BatchDrafter, "draft", int64_midway)
+    requests_of, settings, runner_kw = SCENARIOS["plain"]      # (several rows: an int64 read as int32 shows)
+    monkeypatch.setattr(rq, "entry_of", counting)
+    drafts, state, _, _, fused = _run(True, requests_of, settings, runner_kw)
+    monkeypatch.setattr(rq, "entry_of", lambda dispatcher, args: None)
+    drafts_dispatched, state_dispatched, _, _, fused_dispatched = _run(True, requests_of, settings, runner_kw)
+    assert served["entry"] > fused * 3 // 4 and served["found"] >= 2    # guard: the entry served, for both dtypes
+    assert fused == fused_dispatched and state["stats"]["accepted"] > 50
+    assert drafts == drafts_dispatched
+    assert state == state_dispatched
+
+
 def _past_three_quarters() -> list[SimRequest]:
     """Prompts of 600-740 tokens and outputs of ~190: past 3/4 of a new slot's room (1024), within it."""
     out = _requests(seed=7, n=8)

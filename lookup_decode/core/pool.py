@@ -408,11 +408,13 @@ class IndexPool:
                                         b.kept[:r], b.credit[:r])
         return out
 
-    def kernel(self, corpora) -> "_Kernel":
+    def kernel(self, corpora, rows: int = 0) -> "_Kernel":
         """What `step_rows` reads besides the call's rows, over these corpora ((SuffixIndex, version) pairs, held
-        unchanged while it runs: `Corpus.reading()`; each row reads corpus c as role c unless told otherwise). Kept
-        from call to call while the pool's arrays and the corpora (the same indexes at the same versions: a corpus
-        bumps its version at every change) are."""
+        unchanged while it runs: `Corpus.reading()`; each row reads corpus c as role c unless told otherwise), its
+        outputs sized for at least `rows` rows. Kept from call to call while the pool's arrays and the corpora (the
+        same indexes at the same versions: a corpus bumps its version at every change) are."""
+        if rows > self._out.tokens.shape[0]:
+            self.outputs(rows)
         key = corpora if type(corpora) is list else list(corpora)   # (compared in C: no Python frame per corpus)
         if key != self._corpus_list[0]:         # (building a numba List from Python costs ~0.1 ms)
             tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]

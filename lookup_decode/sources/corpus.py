@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import operator
 import os
 import tempfile
 import threading
@@ -43,6 +44,9 @@ FORMAT = "lookup_decode.corpus"
 FORMAT_VERSION = 1
 
 
+_HELD = operator.attrgetter("_index", "version")     # (in C: a comprehension is one more Python frame)
+
+
 class Reading:
     """`Corpus.reading()` of several corpora at once: `with Reading(corpora) as held:` held lists their (index,
     version), each corpus unchanged while the block runs. A plain class: a drafter enters it at every engine step,
@@ -59,7 +63,7 @@ class Reading:
             for corpus in self.corpora:
                 corpus._lock.acquire()
                 held += 1
-            return [(corpus._index, corpus.version) for corpus in self.corpora]
+            return list(map(_HELD, self.corpora))
         except BaseException:
             for corpus in self.corpora[:held]:
                 corpus._lock.release()

@@ -50,6 +50,7 @@ from lookup_decode.sources.corpus import Reading
 from lookup_decode.sources.memory import Memory, References, prediction_of
 
 log = logging.getLogger("lookup_decode.vllm")
+_NO_CORPORA = Reading(())
 
 
 class BatchDrafter:
@@ -99,7 +100,7 @@ class BatchDrafter:
         self.requests = RequestTable(self.pool, max_gap=4 * (self.k + 1), eos_token_ids=self.eos)
         self.records: dict[int, Request] = {}      # slot -> its request's record (requests followed by id)
         self._own: set[int] = set()                 # slots whose record has its own memory or prediction
-        self._shared = None                         # the shared corpora and the roles of rows reading them
+        self._shared = None                         # the shared corpora, the roles of rows reading them, a Reading
         self._call = 0
         self._last = None                           # when the last call started
 
@@ -177,15 +178,12 @@ class BatchDrafter:
         # leaves every row a first room: nothing to do in Python before the step.
         fused = not self._own and shared is not None and shared[1] is None and not pool.copies \
             and 4 * (pool.bytes + len(counts) * self._room_1024) <= self.settings.max_index_bytes
-        with Reading(shared[0] if fused else ()) as held:
-            kernel = None
-            if fused:
-                pool.outputs(len(counts))
-                kernel = pool.kernel(held)
+        with shared[2] if fused else _NO_CORPORA as held:
             # Where it steps, that call also observes the last step, chooses the lengths and books them.
             got = table.steady(matrix, counts, emitted, engine.ids, self._call, k=self.k,
                                max_len=self.max_model_len if self.max_model_len is not None else NO_LIMIT << 30,
-                               check_end=self.memory is not None, kernel=kernel, cost=self.cost,
+                               check_end=self.memory is not None, kernel=pool.kernel(held, len(counts)) if fused
+                               else None, cost=self.cost,
                                calibration=self.stats.reliability, adaptive=self.settings.adaptive,
                                seconds=now - self._last if self._last is not None else -1.0,
                                budget=int(self.budget) if self.budget is not None else -1)
@@ -231,8 +229,8 @@ class BatchDrafter:
         if self._shared is None or self._shared[1] is not None and len(self._shared[1]) < r:
             corpora, roles = self._corpora_of(np.full(max(64, 2 * r), -1, np.int64))
             default = roles[0].tolist() == list(range(len(corpora))) + [-1] * (roles.shape[1] - len(corpora))
-            self._shared = corpora, None if default else roles
-        corpora, roles = self._shared
+            self._shared = corpora, None if default else roles, Reading(corpora)
+        corpora, roles, _ = self._shared
         return corpora, None if roles is None else roles[:r]
 
     def _step(self, matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits: bool = False):

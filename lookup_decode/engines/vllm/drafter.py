@@ -31,9 +31,6 @@ from lookup_decode.engines.vllm.table_kernels import fingerprints  # noqa: F401 
 
 log = logging.getLogger("lookup_decode.vllm")
 KNOWN_VLLM = ("0.32.", "0.33.")     # versions whose runner's request ids and states were read
-_ONE_ROW = tuple(np.full(1, n, np.int64) for n in range(64))     # emitted counts of a batch of one row
-for _row in _ONE_ROW:
-    _row.flags.writeable = False
 
 
 def _numpy(array) -> np.ndarray:
@@ -138,6 +135,7 @@ class LookupDrafter(BatchDrafter):
     _graphs = None                                  # the engine's compilation_config until its graph sizes are read
     _matrix = None                                  # the token matrix last found int32 and contiguous
     _engine = None                                  # the runner's rows as EngineRequests (its same list and dict)
+    _batch = (None, 0, None, None)                  # (vLLM's counts array, rows, their view, emitted counts)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM calls this with the target model after building the drafter; there is no model to load. Its caller
@@ -171,15 +169,21 @@ class LookupDrafter(BatchDrafter):
             elif matrix is token_ids_cpu:
                 self._matrix = matrix
         # After a model's forward a numpy call costs ~10 us: vLLM's int32 counts are taken as they are (the steady
-        # call is compiled for them), and one row's emitted count is a prebuilt array.
-        counts = _numpy(num_tokens_no_spec)
-        if counts.dtype != np.int32:
-            counts = counts.astype(np.int64, copy=False)
-        counts = counts[:B]
-        if B == 1 and len(sampled_token_ids[0]) < len(_ONE_ROW):
-            emitted = _ONE_ROW[len(sampled_token_ids[0])]
+        # call is compiled for them).
+        # The same counts and emitted arrays from call to call while the batch size is (the steady call's direct
+        # entry needs the very objects).
+        source, rows, counts, emitted = self._batch
+        if source is not num_tokens_no_spec or rows != B:
+            whole = _numpy(num_tokens_no_spec)
+            if whole.dtype != np.int32:
+                whole = whole.astype(np.int64, copy=False)
+            counts, emitted = whole[:B], np.zeros(B, np.int64)
+            if whole is num_tokens_no_spec:     # vLLM's persistent array: the view of its first rows stays valid
+                self._batch = whole, B, counts, emitted
+        if B == 1:
+            emitted[0] = len(sampled_token_ids[0])
         else:
-            emitted = np.fromiter(map(len, sampled_token_ids), np.int64, count=B)
+            emitted[:] = list(map(len, sampled_token_ids))
         runner = self._runner() if self._runner is not None else None
         engine = None
         if runner is not None:
@@ -192,6 +196,8 @@ class LookupDrafter(BatchDrafter):
             if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
                 self.cost.use_capture_sizes(getattr(cc, "cudagraph_capture_sizes", None))
         out = self.draft(matrix, counts, emitted, engine)
+        if B == 1:                                  # (one row: no lists of the three arrays)
+            return [out.tokens[0, :out.lengths[0]].tolist() if len(out.rows) else []]
         drafts: list[list[int]] = [[] for _ in range(B)]
         for i, n, tokens in zip(out.rows.tolist(), out.lengths.tolist(), out.tokens.tolist()):
             if n:                                   # vLLM wants list[list[int]]

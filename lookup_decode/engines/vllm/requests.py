@@ -46,6 +46,7 @@ from lookup_decode.engines.vllm.table_kernels import (
     TABLE_FIELDS,
     TableKernel,
     book_rows,
+    entry_of,
     fingerprints,
     new_table_kernel,
     steady_call,
@@ -151,6 +152,7 @@ class RequestTable:
         self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         self._kernel: tuple = (None, None)     # (TableKernel, (the pool kernel, cost state, calibration it holds))
+        self._direct: tuple = ((None,) * 3, None, None)     # steady_call's entry: (the arrays, it, the kernel's type)
         none = np.zeros(0, np.int64)            # the kernels compiled (or loaded) now, not inside an engine step
         stand_in = SimpleNamespace(state=np.zeros(1), prior=0.0, prior_weight=0.0, forget=1.0, bucket_weight=0.0,
                                    bucket=np.zeros((4, 0)), graph_sizes=np.zeros(0), table=np.zeros((1, 1)))
@@ -158,7 +160,6 @@ class RequestTable:
             self._steady_kernel(np.zeros((1, 1), np.int32), counts, none, (0, 0, 0, 0, 0))
             steady_call(np.zeros((1, 1), np.int32), counts, none, self.row_slots, (0,) * 8, -1.0,
                         self.kernel(pool.kernel([]), stand_in, stand_in))
-        self._kernel = (None, None)
         book_rows(none, none, none, np.zeros((0, 3), np.int64), np.zeros((0, k)), self.sent, self.p_sent, self.learned,
               self._p_learned)
 
@@ -295,9 +296,21 @@ class RequestTable:
             r, *sums = self._steady_kernel(matrix, counts, emitted, rules)
             sums += [False, 0, 0, 0]
         else:
-            r, *sums = steady_call(matrix, counts, emitted, self.row_slots,
-                                   (*rules, len(self.id_of), int(adaptive), budget), seconds,
-                                   self.kernel(kernel, cost, calibration))
+            tk, held = self._kernel                 # kept while what it holds is
+            if tk is None or held[0] is not kernel or held[1] is not cost.state or held[2] is not calibration.table:
+                self._kernel = self.kernel(kernel, cost, calibration), (kernel, cost.state, calibration.table)
+            args = (matrix, counts, emitted, self.row_slots, (*rules, len(self.id_of), int(adaptive), budget),
+                    float(seconds), self._kernel[0])
+            # The caller's arrays the same objects as at the call that found the entry (vLLM's persistent arrays,
+            # the adapter's) and the kernel of the same numba type: then every type is (row_slots is always the
+            # table's int64 array, the scalars are made so here). Else numba's dispatch.
+            held, entry, kernel_type = self._direct, self._direct[1], args[6]._type
+            if entry is not None and held[0][0] is matrix and held[0][1] is counts and held[0][2] is emitted \
+                    and held[2] is kernel_type:
+                r, *sums = entry(*args)
+            else:
+                r, *sums = steady_call(*args)
+                self._direct = (matrix, counts, emitted), entry_of(steady_call, args), kernel_type
         if r < 0:
             return None
         views = self._steady_views.get(r)
@@ -307,19 +320,14 @@ class RequestTable:
         return (*views, sums)
 
     def kernel(self, pool_kernel, cost, calibration) -> TableKernel:
-        """What `steady_call` reads: the pool's `kernel`, the table's arrays, the step cost's (`StepCost`) and the
-        calibration's (`Calibration`), as one object; kept while they are."""
-        state, table = cost.state, calibration.table
-        tk, held = self._kernel
-        if tk is None or held[0] is not pool_kernel or held[1] is not state or held[2] is not table:
-            out, learn, temps, lengths = self._steady_out
-            params = np.array([cost.prior, cost.prior_weight, cost.forget, cost.bucket_weight])
-            parts = {"out": out, "learn": learn, "temps": temps, "lengths": lengths, "p_learned": self._p_learned,
-                     "cost": state, "cost_params": params, "bucket": cost.bucket, "sizes": cost.graph_sizes,
-                     "calibration": table, "no_flags": NO_FLAGS, "pool": pool_kernel}
-            tk = new_table_kernel(*(parts[f] if f in parts else getattr(self, f) for f in TABLE_FIELDS))
-            self._kernel = tk, (pool_kernel, state, table)
-        return tk
+        """What `steady_call` reads, as one object: the pool's `kernel`, the table's arrays, the step cost's
+        (`StepCost`) and the calibration's (`Calibration`)."""
+        out, learn, temps, lengths = self._steady_out
+        params = np.array([cost.prior, cost.prior_weight, cost.forget, cost.bucket_weight])
+        parts = {"out": out, "learn": learn, "temps": temps, "lengths": lengths, "p_learned": self._p_learned,
+                 "cost": cost.state, "cost_params": params, "bucket": cost.bucket, "sizes": cost.graph_sizes,
+                 "calibration": calibration.table, "no_flags": NO_FLAGS, "pool": pool_kernel}
+        return new_table_kernel(*(parts[f] if f in parts else getattr(self, f) for f in TABLE_FIELDS))
 
     def _steady_kernel(self, matrix, counts, emitted, rules) -> tuple:
         out, learn, temps, _ = self._steady_out
