@@ -169,9 +169,8 @@ class LookupDrafter(BatchDrafter):
             elif matrix is token_ids_cpu:
                 self._matrix = matrix
         # After a model's forward a numpy call costs ~10 us: vLLM's int32 counts are taken as they are (the steady
-        # call is compiled for them).
-        # The same counts and emitted arrays from call to call while the batch size is (the steady call's direct
-        # entry needs the very objects).
+        # call is compiled for them), and the same counts view and emitted array go in from call to call while the
+        # batch size is (the steady call's direct entry needs the very objects).
         source, rows, counts, emitted = self._batch
         if source is not num_tokens_no_spec or rows != B:
             whole = _numpy(num_tokens_no_spec)

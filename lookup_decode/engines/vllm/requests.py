@@ -304,9 +304,10 @@ class RequestTable:
             # The caller's arrays the same objects as at the call that found the entry (vLLM's persistent arrays,
             # the adapter's) and the kernel of the same numba type: then every type is (row_slots is always the
             # table's int64 array, the scalars are made so here). Else numba's dispatch.
-            held, entry, kernel_type = self._direct, self._direct[1], args[6]._type
-            if entry is not None and held[0][0] is matrix and held[0][1] is counts and held[0][2] is emitted \
-                    and held[2] is kernel_type:
+            arrays, entry, entry_type = self._direct
+            kernel_type = args[6]._type
+            if entry is not None and arrays[0] is matrix and arrays[1] is counts and arrays[2] is emitted \
+                    and entry_type is kernel_type:
                 r, *sums = entry(*args)
             else:
                 r, *sums = steady_call(*args)
