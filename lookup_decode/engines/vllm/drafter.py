@@ -135,7 +135,8 @@ class LookupDrafter(BatchDrafter):
     _graphs = None                                  # the engine's compilation_config until its graph sizes are read
     _matrix = None                                  # the token matrix last found int32 and contiguous
     _engine = None                                  # the runner's rows as EngineRequests (its same list and dict)
-    _batch = (None, 0, None, None)                  # (vLLM's counts array, rows, their view, emitted counts)
+    _counts = None                                  # vLLM's counts array, as last seen
+    _batches: dict | None = None                    # batch size -> (the view of its counts, emitted counts)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM calls this with the target model after building the drafter; there is no model to load. Its caller
@@ -169,16 +170,19 @@ class LookupDrafter(BatchDrafter):
             elif matrix is token_ids_cpu:
                 self._matrix = matrix
         # After a model's forward a numpy call costs ~10 us: vLLM's int32 counts are taken as they are (the steady
-        # call is compiled for them), and the same counts view and emitted array go in from call to call while the
-        # batch size is (the steady call's direct entry needs the very objects).
-        source, rows, counts, emitted = self._batch
-        if source is not num_tokens_no_spec or rows != B:
+        # call is compiled for them), and each batch size's counts view and emitted array are the same objects from
+        # call to call (the steady call's direct entry needs that).
+        batch = self._batches.get(B) if self._counts is num_tokens_no_spec else None
+        if batch is None:
             whole = _numpy(num_tokens_no_spec)
             if whole.dtype != np.int32:
                 whole = whole.astype(np.int64, copy=False)
-            counts, emitted = whole[:B], np.zeros(B, np.int64)
+            batch = whole[:B], np.zeros(B, np.int64)
             if whole is num_tokens_no_spec:     # vLLM's persistent array: the view of its first rows stays valid
-                self._batch = whole, B, counts, emitted
+                if self._counts is not whole:
+                    self._counts, self._batches = whole, {}
+                self._batches[B] = batch
+        counts, emitted = batch
         if B == 1:
             emitted[0] = len(sampled_token_ids[0])
         else:
