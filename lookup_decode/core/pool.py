@@ -416,7 +416,17 @@ class IndexPool:
         if rows > self._out.tokens.shape[0]:
             self.outputs(rows)
         key = corpora if type(corpora) is list else list(corpora)   # (compared in C: no Python frame per corpus)
-        if key != self._corpus_list[0]:         # (building a numba List from Python costs ~0.1 ms)
+        last, held = self._corpus_list
+        if key != last and last is not None and len(key) == len(last) > 0:
+            # As many corpora as before (a request's output stored in the memory, say): the same List and kernel,
+            # the changed entries set in place. Building a numba List from Python costs ~0.5 ms after a model's
+            # forward, setting an entry ~0.07 ms.
+            arrays, versions = held
+            for i, (now, was) in enumerate(zip(key, last)):
+                if now != was:
+                    arrays[i], versions[i] = now[0].arrays(), now[1]
+            self._corpus_list = (list(key), held)
+        elif key != last:
             tuples = [index.arrays() for index, _ in corpora] or [self._no_corpus]
             versions = np.array([version for _, version in corpora] or [-1], np.int64)
             self._corpus_list, self._kernel = (list(key), (List(tuples), versions)), None
