@@ -10,6 +10,7 @@ import pytest
 from lookup_decode.core.pool import IndexPool
 from lookup_decode.engines.vllm import drafter as lv
 from lookup_decode.engines.vllm.batch_drafter import BatchDrafter, EngineRequests, RequestInfo
+from lookup_decode.engines.vllm.requests import RequestTable
 from lookup_decode.sources.memory import Memory, References
 from tests.sim_runner import SimRequest, SimRunner
 from tests.test_vllm import EOS, _requests
@@ -101,6 +102,27 @@ def test_steady_path_gives_the_general_paths_drafts(name):
     assert fused > 0 and (name not in ("alone", "sampled") or fused > taken // 2)   # stepped in one compiled call
                                                                # (most, where no request is held outside the batch)
     assert sum(len(d) for ds, _ in drafts for d in ds) > 100 and state["stats"]["accepted"] > 50   # and drafted
+    assert drafts == drafts_general
+    assert state == state_general
+
+
+def test_a_requests_last_call_steps_in_the_steady_call_and_stores_its_output_after(monkeypatch):
+    """A row whose request ended (EOS, or its end) no longer sends the call to the general path: the steady call
+    drafts it and every row, then its output enters the memory, in the same call (the general path stores after
+    drafting too: the same drafts and state)."""
+    ended_and_stepped, steady = [0], RequestTable.steady
+
+    def counted(self, *a, **kw):
+        got = steady(self, *a, **kw)
+        ended_and_stepped[0] += got is not None and got[-1][5] > 0 and bool(got[-1][6])   # (sums: ended, stepped)
+        return got
+
+    monkeypatch.setattr(RequestTable, "steady", counted)
+    requests_of, settings, runner_kw = SCENARIOS["alone"]
+    drafts, state, _, _, fused = _run(True, requests_of, settings, runner_kw)
+    drafts_general, state_general, _, _, _ = _run(False, requests_of, settings, runner_kw)
+    assert ended_and_stepped[0] > 0 and state["stats"]["accepted"] > 50      # (0 where an ended row sent it away)
+    assert sorted(e["tokens"] for e in state["memory"]) == sorted(r.truth.tolist() for r in requests_of())
     assert drafts == drafts_general
     assert state == state_general
 

@@ -6,7 +6,8 @@ One call (`BatchDrafter.draft`) does, for all rows at once:
 2. learn the step's cost from the time since the last call (`StepCost.observe`), and keep the per-request indexes
    within `max_index_bytes` (`_evict_idle`: requests not in this call go first, least recently seen first);
 3. store the outputs of the requests that finished (`keeper.Keeper.remember`): a row whose last token is EOS or
-   that reached its request's end, in this very call; a request the engine no longer holds (ids), or a known one
+   that reached its request's end, in this very call once it has drafted (so that it stays one compiled step; the
+   other rows draft from it from the next call on); a request the engine no longer holds (ids), or a known one
    absent from the call (content), before this call drafts, so the other rows draft from it at once. When no
    request seen is left unstored, the keeper writes `memory_save` at once (a server stopped right after its last
    answer keeps every output);
@@ -152,14 +153,14 @@ class BatchDrafter:
         placed = self._within_bound(claim, r_counts)
         self._retire_gone(engine, len(rows))
         rows, slots, ends = rows[placed], claim.slots[placed], r_counts[placed]
-        if self.memory is not None:
-            self._store_finished(matrix, rows, slots, ends, absent=engine is None)
         # A step emits its kept drafts and one more token: no draft goes past where the row ends.
         limits = np.minimum(np.minimum(table.limit[slots], self.k), table.end[slots] - ends - 1)
         if self.max_model_len is not None:
             limits = np.minimum(limits, self.max_model_len - ends - 1)
         step = self._step(matrix, rows, slots, claim.starts[placed], ends, np.maximum(limits, 0), claim.learn[placed],
                           table.temperature[slots], self._corpora_of(slots))
+        if self.memory is not None:
+            self._store_finished(matrix, rows, slots, ends, absent=engine is None)
         if engine is None:
             table.file(matrix, rows, slots, ends, self._call)
         s = self.stats
@@ -195,6 +196,8 @@ class BatchDrafter:
         booked = None
         if stepped:
             step, booked = pool.outputs(r), (lengths, learned, total, drafted)
+            if ended:
+                self._store_finished(matrix, rows, slots, ends, absent=False)
         else:
             room = SuffixIndex.bytes_for(most) if most > 1024 else self._room_1024
             if 4 * (pool.bytes + r * room) > self.settings.max_index_bytes:
@@ -203,10 +206,10 @@ class BatchDrafter:
                 self._observe(verified, prefill, r, now)
             if len(table.id_of) > r:
                 self._retire_gone(engine, r)
-            if ended:
-                self._store_finished(matrix, rows, slots, ends, absent=False)
             corpora = self._corpora_of(slots) if self._own else self._shared_corpora(r)
             step = self._step(matrix, rows, slots, starts, ends, limits, learn, temps, corpora, fits=not near)
+            if ended:
+                self._store_finished(matrix, rows, slots, ends, absent=False)
         self.stats.continued += continued
         self.stats.extended += r - continued
         return self._sent(step, rows, slots, now, engine, booked)
@@ -405,10 +408,11 @@ class BatchDrafter:
 
     # -- the memory of outputs ------------------------------------------------------------------------
     def _store_finished(self, matrix, rows, slots, counts, absent: bool) -> None:
-        """Store the outputs of the requests that finished, before this call drafts: rows whose last token is EOS
-        or that reached their request's end (their text is the row), and (absent: rows followed by content, where
-        a finished request and one away from the batch look alike) known requests absent from this call. Then,
-        if no request seen is left unstored, the keeper writes memory_save at once."""
+        """Store the outputs of the requests that finished: rows whose last token is EOS or that reached their
+        request's end (their text is the row), and (absent: rows followed by content, where a finished request and
+        one away from the batch look alike) known requests absent from this call. Then, if no request seen is left
+        unstored, the keeper writes memory_save at once. Called once the call has drafted, so that the steady call
+        steps in a request's last call too: other rows draft from these outputs from the next call on."""
         ended = self.requests.ended(matrix, rows, slots, counts)
         for row, s, n in zip(rows[ended].tolist(), slots[ended].tolist(), counts[ended].tolist()):
             self._store(s, matrix[row, :n])

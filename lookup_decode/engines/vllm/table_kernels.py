@@ -63,7 +63,7 @@ def steady_rows(matrix, counts, emitted, row_slots, meta, cap, temperature, per_
         before, have = n - emitted[i], meta[s, N_TOKENS]
         if have > before:                   # not the slot's text continued
             return -1, 0, 0, 0, 0, 0, 0
-        if check_end:                       # a finished request (its output is stored before drafting)
+        if check_end:                       # a finished request (its output is stored once the call has drafted)
             if n >= end[s]:
                 ended += 1
             else:
@@ -135,19 +135,19 @@ def steady_call(matrix, counts, emitted, row_slots, rules, seconds, t):
     """`steady_rows` and, where nothing between the parts needs Python, the rest of the call in the same compiled
     call (each crossing into compiled code costs ~6 us after a model's forward, and ~8 more for each object numba
     types in Python): the pool's step over the rows (`step_rows`), then the last step's time into the step cost
-    (`StepCost.observe`), this step's lengths (`StepCost.choose`) and their booking
-    (`book_rows`, the calibration). It steps where no row ended (its output is stored first), no slot grows, the
-    engine holds no request beyond these rows and every row's new tokens fit a first room (the caller checked the
-    byte bound for that). rules: (k, max_len, check_end, call, migrate_from, known requests, adaptive: 1 the lengths
-    chosen, 0 as drafted; the engine's token budget, -1 none); seconds: since the last call (<= 0: not observed);
-    t: the table's `TableKernel` (t.pool: the pool's `kernel`). Returns `steady_rows`'s, whether it stepped, and
-    `book_rows`'s (0s unless it stepped; the lengths in t.lengths)."""
+    (`StepCost.observe`), this step's lengths (`StepCost.choose`) and their booking (`book_rows`, the
+    calibration). It steps where no slot grows, the engine holds no request beyond these rows and every row's new
+    tokens fit a first room (the caller checked the byte bound for that); rows that ended are drafted too (their
+    outputs are stored after it). rules: (k, max_len, check_end, call, migrate_from, known requests, adaptive: 1
+    the lengths chosen, 0 as drafted; the engine's token budget, -1 none); seconds: since the last call (<= 0: not
+    observed); t: the table's `TableKernel` (t.pool: the pool's `kernel`). Returns `steady_rows`'s, whether it
+    stepped, and `book_rows`'s (0s unless it stepped; the lengths in t.lengths)."""
     k, max_len, check_end, call, migrate_from, known, adaptive, budget = rules
     st = t.pool
     r, verified, prefill, continued, most, near, ended = steady_rows(
         matrix, counts, emitted, row_slots, st.meta, st.cap, t.temperature, (t.limit, t.end, t.sent, t.last_seen),
         (k, max_len, check_end, call, migrate_from), t.eos, t.out, t.learn, t.temps)
-    stepped = r > 0 and near == 0 and ended == 0 and known <= r and most <= FIRST_CAP
+    stepped = r > 0 and near == 0 and known <= r and most <= FIRST_CAP
     learned = total = drafted = 0
     if stepped:
         out = t.out
