@@ -191,7 +191,7 @@ def test_steady_call_skips_numbas_dispatch_while_its_arrays_are_the_same(monkeyp
     drafts, state, _, _, fused = _run(True, requests_of, settings, runner_kw)
     monkeypatch.setattr(rq, "entry_of", lambda dispatcher, args: None)
     drafts_dispatched, state_dispatched, _, _, fused_dispatched = _run(True, requests_of, settings, runner_kw)
-    assert served["entry"] > fused * 3 // 4 and found_counts == {"int32", "int64"}    # guard: it served both dtypes
+    assert served["entry"] > fused // 2 and found_counts == {"int32", "int64"}    # guard: it served both dtypes
     assert fused == fused_dispatched and state["stats"]["accepted"] > 50
     assert drafts == drafts_dispatched
     assert state == state_dispatched

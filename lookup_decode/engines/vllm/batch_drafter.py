@@ -174,6 +174,8 @@ class BatchDrafter:
         """A call in the steady state (`RequestTable.steady`: no row new, refused or rebuilt) far below the byte
         bound: the general path's drafts with a few numpy calls. None (nothing changed): take the general path."""
         table, pool, shared = self.requests, self.pool, self._shared
+        if not table.rows_known(engine.ids, emitted):
+            return None                             # (a new request: nothing built for the steady call)
         # The pool steps the rows in the steady state's own compiled call (`RequestTable.steady`'s kernel) where the
         # rows read only the shared corpora, in their roles by default, no slot is being copied, and the byte bound
         # leaves every row a first room: nothing to do in Python before the step.

@@ -150,6 +150,7 @@ class RequestTable:
         # The steady state: the rows' ids at the last call by id, and their slots (-1: none); None: unknown.
         self.row_ids: list | None = None
         self.row_slots = np.zeros(0, np.int64)
+        self.row_unknown = True                     # some row's id has no slot
         self._steady_out = (np.zeros((5, 0), np.int64), np.zeros(0, np.bool_), np.zeros(0), np.zeros(0, np.int64))
         self._steady_views: dict = {}          # r -> views of the first r rows of _steady_out
         self._kernel: tuple = (None, None)     # (TableKernel, (the pool kernel, cost state, calibration it holds))
@@ -285,9 +286,8 @@ class RequestTable:
         engine's token budget, -1 none) observes the last step, chooses the lengths (`adaptive`; else the drafts'
         own) and books them (`book` into `calibration`: its learned, total, drafted; the lengths in `lengths`)."""
         n = len(counts)
-        if self.row_ids is None or ids[:n] != self.row_ids:   # rows moved, joined or left: their slots by id
-            self.row_ids = ids[:n]
-            self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
+        if not self.rows_known(ids, emitted):
+            return None
         if self._steady_out[0].shape[1] < n:
             self._steady_out = (np.zeros((5, 2 * n), np.int64), np.zeros(2 * n, np.bool_), np.zeros(2 * n),
                                 np.zeros(2 * n, np.int64))
@@ -326,6 +326,19 @@ class RequestTable:
             out, learn, temps, lengths = self._steady_out
             views = self._steady_views[r] = (*out[:, :r], learn[:r], temps[:r], lengths[:r])
         return (*views, sums)
+
+    def rows_known(self, ids: list, emitted: np.ndarray) -> bool:
+        """Whether every row that emitted tokens holds a request with a slot (ids: the rows' request ids; their slots
+        found by id where rows moved, joined or left since the last call). False: not the steady state, told before
+        anything is built for the steady call (a new request's first call)."""
+        n = len(emitted)
+        if self.row_ids is None or ids[:n] != self.row_ids:
+            self.row_ids = ids[:n]
+            self.row_slots = np.fromiter((self.ids.get(i, -1) for i in self.row_ids), np.int64)  # (short: refused)
+            self.row_unknown = len(self.row_slots) < n or bool((self.row_slots < 0).any())
+        if not self.row_unknown:
+            return True
+        return len(self.row_slots) == n and not ((self.row_slots < 0) & (emitted > 0)).any()
 
     def kernel(self, pool_kernel, cost, calibration) -> TableKernel:
         """What `steady_call` reads, as one object: the pool's `kernel`, the table's arrays, the step cost's
