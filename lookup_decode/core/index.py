@@ -7,6 +7,7 @@ drafts as fast as a 1k one. Only accepted tokens ever enter the index, so it nev
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -36,6 +37,14 @@ def room_bytes(cap) -> np.ndarray:
     edges = 3 * cap + 4
     hashes = np.left_shift(1, np.ceil(np.log2(np.maximum(2 * edges, 1))).astype(np.int64))
     return np.where(cap > 0, 4 * cap + 16 * (2 * cap + 2) + 12 * edges + 12 * hashes + 8 * K.META_SIZE, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def room_of(cap: int) -> int:
+    """`room_bytes` of one room, an int. Cached (rooms are few: they double), because each numpy call on a scalar
+    costs ~5-10 us after a model's forward has streamed through the caches, and a request's first and last calls
+    price several rooms."""
+    return int(room_bytes(cap))
 
 
 def buffers(cap: int, fill: bool = True) -> tuple:
@@ -136,7 +145,7 @@ class SuffixIndex:
     def bytes_for(cls, n_tokens: int) -> int:
         """Bytes an index over n_tokens tokens holds (its buffers start at 1024 tokens and double), without
         building one: what a server bounding many indexes reserves before it indexes a request."""
-        return int(room_bytes(room_for(1024, n_tokens)))
+        return room_of(room_for(1024, int(n_tokens)))
 
     def extend(self, tokens) -> None:
         """Append token ids (int [m]; list, numpy or torch) to the indexed text."""

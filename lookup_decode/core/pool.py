@@ -44,7 +44,16 @@ from lookup_decode.core import acceptance as A
 from lookup_decode.core import automaton as K
 from lookup_decode.core.config import ALONE_MIN_MATCH, CORPUS_MIN_MATCH, check_match, corpus_thresholds
 from lookup_decode.core.draft import choose_source
-from lookup_decode.core.index import MAX_TOKENS, SuffixIndex, buffers, grown, new_automaton, room_bytes, room_for
+from lookup_decode.core.index import (
+    MAX_TOKENS,
+    SuffixIndex,
+    buffers,
+    grown,
+    new_automaton,
+    room_bytes,
+    room_for,
+    room_of,
+)
 from lookup_decode.core.tokens import CURSOR_TAIL, SEPARATOR, as_token_array
 
 ROLES = 3                          # corpora a row may read, in tie-break order (memory, references, prediction)
@@ -239,7 +248,7 @@ class IndexPool:
             s, self.slots = self.slots, self.slots + 1
         cap = room_for(FIRST_CAP, n_tokens)
         self.buffers[s], self.cap[s] = new_automaton(cap, self.meta[s]), cap
-        self.bytes += int(room_bytes(cap))
+        self.bytes += room_of(cap)
         self.request[s] = A.new_requests(1)[0]
         self.prev_len[s], self.prev_src[s], self.prev_end[s], self.prev_ver[s] = 0, 0, -1, -1
         self.cursor[s] = SuffixIndex.new_cursor()
@@ -248,7 +257,7 @@ class IndexPool:
 
     def remove(self, s: int) -> None:
         """Free slot s (its buffers are dropped)."""
-        self.bytes -= int(self.nbytes([s])[0])
+        self.bytes -= self._held(s)
         self.copies.pop(s, None)
         self.buffers[s], self.cap[s] = self._none, 0
         self.free.append(s)
@@ -260,6 +269,10 @@ class IndexPool:
     def tokens(self, s: int) -> np.ndarray:
         """The text of slot s, int32 [n] (a copy)."""
         return self.buffers[s][0][: int(self.meta[s, K.N_TOKENS])].copy()
+
+    def _held(self, s: int) -> int:
+        """`nbytes([s])[0]`, without numpy calls (a slot's removal and growth)."""
+        return room_of(int(self.cap[s])) + (room_of(self.copies[s].cap) if s in self.copies else 0)
 
     def nbytes(self, slots) -> np.ndarray:
         """int64 [r]: bytes each slot holds (its room, as `SuffixIndex.nbytes` counts it, and a growing copy's)."""
@@ -303,16 +316,16 @@ class IndexPool:
             elif s not in self.copies:
                 meta = np.zeros(K.META_SIZE, np.int64)
                 self.copies[s] = _Copy(2 * c, new_automaton(2 * c, meta, fill=False), meta)
-                self.bytes += int(room_bytes(2 * c))
+                self.bytes += room_of(2 * c)
 
     def _grow_now(self, s: int, need: int) -> None:
         """Move slot s to buffers with room for `need` tokens (or its finished copy's, if that suffices)."""
-        self.bytes -= int(self.nbytes([s])[0])
+        self.bytes -= self._held(s)
         self.copies.pop(s, None)
         cap, new = grown(self.buffers[s], self.meta[s], int(self.cap[s]), need)
-        self.copied += int(room_bytes(cap))
+        self.copied += room_of(cap)
         self.buffers[s], self.cap[s] = new, cap
-        self.bytes += int(room_bytes(cap))
+        self.bytes += room_of(cap)
 
     def migrate(self, slots, work: int | None = None) -> None:
         """Advance the growing copies of `slots` by about `work` units in all (a token re-extended, or
@@ -341,9 +354,9 @@ class IndexPool:
                          self.buffers[s][0][c.done: c.done + m], self.window)
                 c.done += m
                 work -= m
-                self.copied += int(room_bytes(c.cap) // c.cap) * m
+                self.copied += room_of(c.cap) // c.cap * m
             if c.done == n:                     # the same tokens, so the same automaton: swap it in
-                self.bytes -= int(room_bytes(int(self.cap[s])))
+                self.bytes -= room_of(int(self.cap[s]))
                 self.buffers[s], self.cap[s] = c.buffers, c.cap
                 self.meta[s] = c.meta
                 del self.copies[s]
