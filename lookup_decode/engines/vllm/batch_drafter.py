@@ -5,12 +5,12 @@ One call (`BatchDrafter.draft`) does, for all rows at once:
 1. find each row's request (`requests.RequestTable`: by id when the engine gives ids, else by content);
 2. learn the step's cost from the time since the last call (`StepCost.observe`), and keep the per-request indexes
    within `max_index_bytes` (`_evict_idle`: requests not in this call go first, least recently seen first);
-3. store the outputs of the requests that finished (`keeper.Keeper.remember`): a row whose last token is EOS or
-   that reached its request's end, in this very call once it has drafted (so that it stays one compiled step; the
-   other rows draft from it from the next call on); a request the engine no longer holds (ids), or a known one
-   absent from the call (content), before this call drafts, so the other rows draft from it at once. When no
-   request seen is left unstored, the keeper writes `memory_save` at once (a server stopped right after its last
-   answer keeps every output);
+3. store the outputs of the requests that finished (`keeper.Keeper.remember`): a request the engine no longer
+   holds (ids) before this call drafts, so the other rows draft from it at once; a row whose last token is EOS or
+   that reached its request's end, and (content) a known request absent from the call, once this call has drafted
+   (so that a request's last call stays one compiled step; the other rows draft from it from the next call on).
+   When no request seen is left unstored, the keeper writes `memory_save` at once (a server stopped right after
+   its last answer keeps every output);
 4. in one compiled call (`core.pool.IndexPool.step`): learn from what the engine kept of each row's last draft,
    extend its index by the new tokens, draft from the request itself and the shared corpora (memory, references,
    the request's prediction: the longest match wins), and price each draft token by its probability of being kept;
@@ -21,14 +21,15 @@ Each request's own settings are one `Request` record, made by `_start` from what
 (`RequestInfo`): a new per-request knob is a field of `Request`, the line of `_start` that reads it, and its use.
 A failure never stops the engine: a call that raises is logged once, drafts nothing, and the drafter starts afresh.
 
-Most calls bring no new request: by id, every row that emitted tokens holds a known request, continued by them.
-Such a call (`_steady`) skips most of step 1 and the general path's bookkeeping: one compiled call
+Most calls bring no new request: by id, every row that emitted tokens holds a known request, continued by them. Such
+a call (`_steady`) skips most of step 1 and the general path's bookkeeping: one compiled call
 (`RequestTable.steady`) checks that, gives the arrays of step 4 and, where nothing before the step needs Python (no
-row ended, no index growing, the rows reading only the shared corpora), runs step 4 itself, and then the step's
-time, step 5 and the booking too. A call after a model's forward finds its objects out of the caches, so it is the
-count of numpy calls, Python frames and objects handed to compiled code a call touches, more than their work, that
-sets its time (measured with 64 MB streamed through the caches before each: ~10 us a numpy call, ~6 us a call into
-compiled code and ~8 more for each object numba types in Python).
+index growing, the rows reading only the shared corpora), runs step 4 itself, and then the step's time, step 5 and
+the booking too (the outputs of rows that ended are stored after it, in Python). A call after a model's forward
+finds its objects out of the caches, so it is the count of numpy calls, Python frames and objects handed to compiled
+code a call touches, more than their work, that sets its time (measured with 64 MB streamed through the caches
+before each: ~10 us a numpy call, ~6 us a call into compiled code and ~8 more for each object numba types in
+Python).
 """
 
 from __future__ import annotations
